@@ -1,0 +1,142 @@
+"""Federation and cluster configuration, loaded from one TOML file.
+
+The file names the home cluster and every cluster of the federation (home included): where its
+controller listens, its backends, and its object store. ``iris dev``, the worker, the CLI and each
+controller read the same file, so the demo stack and the tests agree on one topology.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
+CONFIG_ENV = "IRIS_CONFIG"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message is one line for a human."""
+
+
+class BackendConfig(BaseModel):
+    """One execution pool of a cluster: attributes it advertises and devices it has."""
+
+    id: str
+    attributes: dict[str, list[str]] = Field(default_factory=dict)
+    # Device slots per token (lowercased variant), e.g. {"h100": 16}. Empty = CPU only, no gate.
+    devices: dict[str, int] = Field(default_factory=dict)
+    # How many jobs without devices may run at once (CPU jobs are not gated by the policy).
+    cpu_slots: int = Field(default=8, ge=1)
+
+    @field_validator("attributes")
+    @classmethod
+    def _lower_attributes(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {k.lower(): [v.lower() for v in vs] for k, vs in value.items()}
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_positive(cls, value: dict[str, int]) -> dict[str, int]:
+        for token, n in value.items():
+            if n < 0:
+                raise ValueError(f"device count for {token!r} must be >= 0")
+        return {k.lower(): n for k, n in value.items()}
+
+
+class ObjectStoreConfig(BaseModel):
+    """Where a cluster reads artifacts, with its own credentials (never shared across clusters)."""
+
+    kind: Literal["gcs", "s3"]
+    bucket: str
+    # Endpoint of the emulator or service; empty = the SDK default.
+    endpoint: str = ""
+    # Names of environment variables holding credentials (values never appear in config or payloads).
+    access_key_env: str = ""
+    secret_key_env: str = ""
+
+
+class ClusterConfig(BaseModel):
+    name: str
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+    backends: list[BackendConfig]
+    object_store: ObjectStoreConfig | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @model_validator(mode="after")
+    def _unique_backends(self) -> ClusterConfig:
+        ids = [b.id for b in self.backends]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"cluster {self.name}: duplicate backend ids")
+        return self
+
+
+class TemporalConfig(BaseModel):
+    address: str = "127.0.0.1:7233"
+    namespace: str = "default"
+    task_queue: str = "iris-federation"
+    ui_port: int = 8233
+
+
+class FederationConfig(BaseModel):
+    home: str
+    temporal: TemporalConfig = TemporalConfig()
+    # A peer report older than this is treated as unknown (SPEC §5).
+    stale_after_ms: int = Field(default=30_000, ge=1)
+    clusters: list[ClusterConfig]
+    s3_port: int = 9200
+    gcs_port: int = 9201
+
+    @model_validator(mode="after")
+    def _home_known(self) -> FederationConfig:
+        names = [c.name for c in self.clusters]
+        if len(names) != len(set(names)):
+            raise ValueError("duplicate cluster names")
+        if self.home not in names:
+            raise ValueError(f"home cluster {self.home!r} is not among the clusters {names}")
+        return self
+
+    def cluster(self, name: str) -> ClusterConfig:
+        for c in self.clusters:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    @property
+    def home_cluster(self) -> ClusterConfig:
+        return self.cluster(self.home)
+
+    @property
+    def cluster_names(self) -> list[str]:
+        return [c.name for c in self.clusters]
+
+
+def config_path(explicit: str | Path | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get(CONFIG_ENV)
+    return Path(env) if env else DEFAULT_CONFIG
+
+
+def load_config(path: str | Path | None = None) -> FederationConfig:
+    """Load and validate the federation config; raise ConfigError with a one-line message."""
+    p = config_path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    try:
+        return FederationConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise ConfigError(f"config file {p}: {where}: {first['msg']}") from None
