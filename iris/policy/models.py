@@ -70,7 +70,7 @@ class Constraint(BaseModel):
 
 
 class DeviceRequest(BaseModel):
-    """What one job asks for: ``replicas`` × ``count`` devices of one type/variant, on one backend."""
+    """What one job asks for: ``replicas`` x ``count`` devices of one type/variant, on one backend."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -141,3 +141,124 @@ class Classification(BaseModel):
     disposition: Disposition
     pinned_cluster: str | None = None
     reason: str
+
+
+# --- Availability ledger and the placement tick (SPEC §5, §6) ---
+
+
+class Reservation(BaseModel):
+    """Capacity a confirmed promotion charged to one backend, valid for one observation only.
+
+    ``band`` bounds what the reservation could have reclaimed when it is replayed; None means any.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    peer_id: str
+    backend_id: str
+    observation_epoch_ms: int
+    amounts: dict[str, int] = Field(default_factory=dict)
+    band: Band | None = None
+    job_id: str = ""
+
+
+class Placement(BaseModel):
+    """The tick's decision to promote one job to one (peer, backend).
+
+    ``reserved`` is what to charge the ledger once the promotion commits; empty for a shape-only
+    or force-routed placement (backend_id ``""``), whose capacity the manager cannot see.
+    """
+
+    job_id: str
+    peer_id: str
+    backend_id: str
+    band: Band = Band.INTERACTIVE
+    observation_epoch_ms: int | None = None
+    reserved: dict[str, int] = Field(default_factory=dict)
+    verified: bool = True
+    preempts: bool = False
+    forced: bool = False
+    reason: str = ""
+
+    def reservation(self) -> Reservation | None:
+        """The ledger entry to record with the promotion, if the placement reserves anything."""
+        if not self.reserved or self.observation_epoch_ms is None:
+            return None
+        return Reservation(
+            peer_id=self.peer_id,
+            backend_id=self.backend_id,
+            observation_epoch_ms=self.observation_epoch_ms,
+            amounts=dict(self.reserved),
+            band=self.band,
+            job_id=self.job_id,
+        )
+
+
+class WaitKind(StrEnum):
+    """Why one peer cannot take a job this tick."""
+
+    UNREACHABLE = "unreachable"
+    STALE = "stale"
+    UNKNOWN_PEER = "unknown_peer"
+    NO_SHAPE = "no_shape"
+    FULL = "full"
+    PER_TICK_CAP = "per_tick_cap"
+
+
+class PeerVerdict(BaseModel):
+    """One reason, shared by every peer in ``peer_ids`` (grouped to keep payloads small)."""
+
+    kind: WaitKind
+    peer_ids: list[str]
+    message: str
+    token: str | None = None
+    needed: int | None = None
+    available: int | None = None
+
+
+class JobExplanation(BaseModel):
+    """Why a job is still queued after a tick: a summary and a reason for every candidate peer."""
+
+    job_id: str
+    summary: str
+    verdicts: list[PeerVerdict] = Field(default_factory=list)
+
+    def for_peer(self, peer_id: str) -> PeerVerdict | None:
+        return next((v for v in self.verdicts if peer_id in v.peer_ids), None)
+
+
+class WaitingGroup(BaseModel):
+    """Jobs left queued for the same reasons (same shape, band, need and pin)."""
+
+    job_ids: list[str]
+    summary: str
+    verdicts: list[PeerVerdict] = Field(default_factory=list)
+
+
+class PlanRequest(BaseModel):
+    """Everything one tick decides on: the queue, the last reports and the ledger."""
+
+    home: str
+    jobs: list[JobShape] = Field(default_factory=list)
+    reports: list[PeerReport] = Field(default_factory=list)
+    reservations: list[Reservation] = Field(default_factory=list)
+    now_ms: int
+    stale_after_ms: int = Field(ge=0)
+    max_per_peer: int | None = Field(default=None, ge=1)
+
+
+class PlanResult(BaseModel):
+    """The tick's output: placements in queue order, expired job ids, and why the rest wait."""
+
+    placements: list[Placement] = Field(default_factory=list)
+    expired: list[str] = Field(default_factory=list)
+    waiting: list[WaitingGroup] = Field(default_factory=list)
+
+    def explain(self, job_id: str) -> JobExplanation | None:
+        for group in self.waiting:
+            if job_id in group.job_ids:
+                return JobExplanation(job_id=job_id, summary=group.summary, verdicts=group.verdicts)
+        return None
+
+    def placement_for(self, job_id: str) -> Placement | None:
+        return next((p for p in self.placements if p.job_id == job_id), None)
