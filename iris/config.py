@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
@@ -59,12 +59,57 @@ class ObjectStoreConfig(BaseModel):
     secret_key_env: str = ""
 
 
+class AuthConfig(BaseModel):
+    """A cluster's identity and who it admits (SPEC §7).
+
+    Key material is named, never inlined (except public keys, which are not secret): a file path or
+    an environment variable holding the PEM. Relative paths resolve against the key directory given
+    to the process (``--key-dir``, else ``$IRIS_KEY_DIR``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # This cluster's Ed25519 signing key (PKCS#8 PEM); only this cluster's own processes read it.
+    private_key_file: str = ""
+    private_key_env: str = ""
+    # This cluster's public key, pinned by every cluster that trusts it as a requester.
+    public_key_file: str = ""
+    public_key_env: str = ""
+    public_key: str = ""
+    # Clusters whose signed handoffs this cluster's controller admits.
+    trusted_requesters: list[str] = Field(default_factory=list)
+    # Clusters that may see and terminate every job here (operators' tooling), besides the owner.
+    admins: list[str] = Field(default_factory=list)
+    # Who may submit: "*" anyone, "*@domain" a domain (case-insensitive), or an exact identity.
+    # Empty = nobody.
+    allowed_submitters: list[str] = Field(default_factory=list)
+    # Lifetime of the tokens this cluster mints; verifiers refuse anything longer than 5 minutes.
+    token_ttl_s: int = Field(default=120, ge=5, le=300)
+
+    @model_validator(mode="after")
+    def _one_source_each(self) -> AuthConfig:
+        if self.private_key_file and self.private_key_env:
+            raise ValueError("set at most one of private_key_file and private_key_env")
+        if sum(bool(x) for x in (self.public_key_file, self.public_key_env, self.public_key)) > 1:
+            raise ValueError("set at most one of public_key_file, public_key_env and public_key")
+        for pattern in self.allowed_submitters:
+            if not pattern.strip() or ("*" in pattern and pattern != "*" and not pattern.startswith("*@")):
+                raise ValueError(f"allowed_submitters entry {pattern!r}: use '*', '*@domain' or an identity")
+        return self
+
+    @property
+    def has_public_key(self) -> bool:
+        return bool(self.public_key_file or self.public_key_env or self.public_key)
+
+
 class ClusterConfig(BaseModel):
     name: str
     host: str = "127.0.0.1"
     port: int = Field(ge=1, le=65535)
     backends: list[BackendConfig]
     object_store: ObjectStoreConfig | None = None
+    # None: the controller admits unsigned requests (local experiments only; it logs a warning).
+    auth: AuthConfig | None = None
 
     @property
     def url(self) -> str:

@@ -1,0 +1,98 @@
+"""Run one cluster controller: ``python -m iris.controller --config FILE --cluster NAME --state-dir DIR``.
+
+A bad config, an unknown cluster or unusable keys print one line on stderr and exit with code 2
+before anything is started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from iris.config import ConfigError, load_config
+
+EXIT_BAD_CONFIG = 2
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m iris.controller", description="Run an Iris cluster controller."
+    )
+    p.add_argument("--config", required=True, help="federation config file (TOML or JSON)")
+    p.add_argument("--cluster", required=True, help="name of the cluster this controller serves")
+    p.add_argument("--state-dir", required=True, type=Path, help="directory for the job database and logs")
+    p.add_argument("--port", type=int, help="listen port (default: the cluster's configured port)")
+    p.add_argument("--host", help="listen address (default: the cluster's configured host)")
+    p.add_argument(
+        "--key-dir",
+        type=Path,
+        help="base directory of relative key paths in the auth config (default: $IRIS_KEY_DIR, "
+        "else the state dir's parent)",
+    )
+    p.add_argument(
+        "--kill-grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when a job is terminated",
+    )
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Imports after logging setup; uvicorn and the app are only needed once the config is good.
+    import uvicorn
+
+    from iris.controller.app import create_app
+    from iris.controller.identity import default_key_dir
+
+    try:
+        config = load_config(args.config)
+        try:
+            cluster = config.cluster(args.cluster)
+        except KeyError:
+            known = ", ".join(config.cluster_names)
+            raise ConfigError(
+                f"unknown cluster {args.cluster!r} (clusters in {args.config}: {known})"
+            ) from None
+        port = args.port if args.port is not None else cluster.port
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"invalid port {port}")
+        if args.kill_grace < 0:
+            raise ConfigError("--kill-grace must be >= 0")
+        key_dir = args.key_dir or default_key_dir(args.state_dir.resolve().parent)
+        app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)
+    except ConfigError as exc:
+        print(f"iris controller: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+    try:
+        args.state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"iris controller: cannot create state dir {args.state_dir}: {exc.strerror}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host or cluster.host,
+            port=port,
+            log_config=None,  # keep our logging setup; one line per request comes from the app
+            access_log=False,
+            timeout_graceful_shutdown=15,
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The cluster controller HTTP API (SPEC §5, §7, §8): FastAPI app over the process executor.
+
+Every error leaves as ``{"code", "message"}`` with one of six stable codes; request validation
+errors are INVALID_ARGUMENT (400), never FastAPI's default 422 shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from iris.config import ClusterConfig, FederationConfig
+from iris.controller.errors import ControllerError, NotFound, PermissionDenied
+from iris.controller.executor import MAX_LOG_CHUNK, Executor
+from iris.controller.identity import LOCAL_ADMIN, Admission, Caller
+from iris.controller.models import (
+    BackendsResponse,
+    ErrorBody,
+    ErrorCode,
+    HealthResponse,
+    JobList,
+    JobStatus,
+    LaunchRequest,
+    LogChunk,
+    validate_job_id,
+)
+from iris.controller.state import JobRecord, StateStore
+
+log = logging.getLogger("iris.controller")
+access_log = logging.getLogger("iris.controller.access")
+
+MAX_BODY_BYTES = 1 << 20
+MAX_FOLLOW_WAIT_S = 60.0
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code.http_status: {"model": ErrorBody, "description": code.value} for code in ErrorCode
+}
+
+
+def _error(code: ErrorCode, message: str, status: int | None = None) -> JSONResponse:
+    body = ErrorBody(code=code, message=message)
+    return JSONResponse(status_code=status or code.http_status, content=body.model_dump(mode="json"))
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    # Field path and reason only: never echo the input, which may carry env values.
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request"
+
+
+# Async dependencies run on the event loop, where all executor and store access happens.
+async def executor_of(request: Request) -> Executor:
+    executor: Executor = request.app.state.executor
+    return executor
+
+
+async def authenticate(request: Request) -> Caller:
+    admission: Admission = request.app.state.admission
+    caller = admission.authenticate(request.headers.get("authorization"))
+    request.state.caller = caller
+    return caller
+
+
+ExecutorDep = Annotated[Executor, Depends(executor_of)]
+CallerDep = Annotated[Caller, Depends(authenticate)]
+
+
+def create_app(
+    config: FederationConfig,
+    cluster_name: str,
+    state_dir: Path,
+    *,
+    key_dir: Path | None = None,
+    kill_grace_s: float = 5.0,
+) -> FastAPI:
+    """Build the controller app of ``cluster_name``; state lives under ``state_dir``.
+
+    ``key_dir`` resolves relative key paths of the auth config (default: the state dir's parent).
+    Raises KeyError for an unknown cluster and ConfigError for unusable auth settings.
+    """
+    cluster: ClusterConfig = config.cluster(cluster_name)
+    state_dir = Path(state_dir)
+    admission = Admission.from_config(config, cluster, key_dir or state_dir.parent)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = StateStore(state_dir)
+        admission.attach_store(store)
+        executor = Executor(cluster, state_dir, store, kill_grace_s=kill_grace_s)
+        executor.recover()
+        app.state.executor = executor
+        log.info(
+            "controller %s ready: %d backend(s), %d known job(s), auth %s",
+            cluster.name,
+            len(cluster.backends),
+            len(executor.jobs),
+            "on" if admission.enabled else "OFF (no [clusters.auth] section)",
+        )
+        try:
+            yield
+        finally:
+            await executor.shutdown()
+            store.close()
+            log.info("controller %s stopped", cluster.name)
+
+    app = FastAPI(
+        title=f"Iris cluster controller ({cluster.name})",
+        version="1",
+        description="Capacity reports, signed job handoff, job state, logs and termination.",
+        lifespan=lifespan,
+        responses=_ERROR_RESPONSES,
+    )
+    app.state.admission = admission
+
+    @app.middleware("http")
+    async def access_and_limits(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        start = time.monotonic()
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            response: Response = _error(
+                ErrorCode.INVALID_ARGUMENT, f"request body larger than {MAX_BODY_BYTES} bytes", 413
+            )
+        else:
+            response = await call_next(request)
+        caller = getattr(request.state, "caller", None)
+        access_log.info(
+            "%s %s -> %d in %.1fms caller=%s",
+            request.method,
+            request.url.path,
+            response.status_code,
+            (time.monotonic() - start) * 1000,
+            caller.cluster if isinstance(caller, Caller) and caller.cluster else "-",
+        )
+        return response
+
+    @app.exception_handler(ControllerError)
+    async def _controller_error(request: Request, exc: ControllerError) -> JSONResponse:
+        return _error(exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(ErrorCode.INVALID_ARGUMENT, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return _error(ErrorCode.NOT_FOUND, f"no such resource: {request.url.path}")
+        code = ErrorCode.UNAVAILABLE if exc.status_code >= 500 else ErrorCode.INVALID_ARGUMENT
+        return _error(code, str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(ErrorCode.UNAVAILABLE, "internal error", 500)
+
+    def owned(executor: Executor, caller: Caller, job_id: str) -> JobRecord:
+        try:
+            validate_job_id(job_id)
+        except ValueError:
+            raise NotFound(f"job {job_id} not found on cluster {cluster.name}") from None
+        job = executor.get(job_id)
+        if not caller.may_access(job.requester):
+            raise PermissionDenied(f"job {job_id} was handed in by another requester")
+        return job
+
+    @app.get("/v1/health", response_model=HealthResponse, tags=["health"])
+    async def health() -> HealthResponse:
+        return HealthResponse(cluster=cluster.name)
+
+    @app.get("/v1/backends", response_model=BackendsResponse, tags=["capacity"])
+    async def backends(executor: ExecutorDep, caller: CallerDep) -> BackendsResponse:
+        return BackendsResponse(cluster=cluster.name, backends=executor.availability())
+
+    @app.post("/v1/jobs", response_model=JobStatus, tags=["jobs"])
+    async def launch(req: LaunchRequest, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
+        # Admission order is SPEC §7's: local_admin, requester == issuer, allowed submitters.
+        if req.user.strip().lower() == LOCAL_ADMIN:
+            raise PermissionDenied("the local_admin submitter cannot hand off jobs")
+        if caller.cluster is not None and req.requester != caller.cluster:
+            raise PermissionDenied(
+                f"requester {req.requester!r} does not match the signed identity {caller.cluster!r}"
+            )
+        if not admission.may_submit(caller):
+            raise PermissionDenied(f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}")
+        if not admission.submitter_allowed(req.user):
+            raise PermissionDenied(f"user {req.user!r} may not submit to cluster {cluster.name}")
+        job, _created = executor.launch(req)
+        return job.status()
+
+    @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
+    async def list_jobs(executor: ExecutorDep, caller: CallerDep) -> JobList:
+        return JobList(jobs=[j.status() for j in executor.all_jobs() if caller.may_access(j.requester)])
+
+    @app.get("/v1/jobs/{job_id:path}/logs", response_model=LogChunk, tags=["jobs"])
+    async def logs(
+        job_id: str,
+        executor: ExecutorDep,
+        caller: CallerDep,
+        offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+        follow: bool = False,
+        wait_s: Annotated[float, Query(gt=0, le=MAX_FOLLOW_WAIT_S)] = 20.0,
+        limit: Annotated[int, Query(ge=1, le=MAX_LOG_CHUNK)] = MAX_LOG_CHUNK,
+    ) -> LogChunk:
+        owned(executor, caller, job_id)
+        if follow:
+            return await executor.follow_log(job_id, offset, wait_s, limit)
+        return executor.read_log(job_id, offset, limit)
+
+    @app.post("/v1/jobs/{job_id:path}/terminate", response_model=JobStatus, tags=["jobs"])
+    async def terminate(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
+        owned(executor, caller, job_id)
+        job = await executor.terminate(job_id)
+        return job.status()
+
+    @app.get("/v1/jobs/{job_id:path}", response_model=JobStatus, tags=["jobs"])
+    async def status(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
+        return owned(executor, caller, job_id).status()
+
+    return app

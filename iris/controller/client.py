@@ -1,0 +1,153 @@
+"""Async client of the cluster controller API, mapping every failure to a typed ControllerError.
+
+    async with ControllerClient(cluster.url, signer=signer) as c:
+        status = await c.launch(request)
+
+Connection errors, timeouts and 5xx answers raise Unavailable; error bodies raise the class of their
+code. With a ``signer`` each request carries a freshly minted identity token, so a retried call never
+replays a token id.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from iris.controller.errors import ControllerError, Unavailable, error_for
+from iris.controller.identity import TokenSigner
+from iris.controller.models import (
+    BackendsResponse,
+    ErrorBody,
+    HealthResponse,
+    JobList,
+    JobStatus,
+    LaunchRequest,
+    LogChunk,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _job_path(job_id: str) -> str:
+    # Slashes stay: the server routes job ids as paths. Everything else is quoted.
+    return "/v1/jobs/" + quote(job_id, safe="/")
+
+
+class ControllerClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 10.0,
+        signer: TokenSigner | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._signer = signer
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    async def __aenter__(self) -> ControllerClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+    ) -> M:
+        headers = {"Authorization": self._signer.authorization()} if self._signer else {}
+        try:
+            resp = await self._http.request(
+                method,
+                path,
+                json=json,
+                params=params,
+                headers=headers,
+                timeout=request_timeout if request_timeout is not None else self.timeout,
+            )
+        except httpx.TimeoutException as exc:
+            raise Unavailable(f"{self.base_url}: timed out ({type(exc).__name__})") from None
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
+        if resp.is_success:
+            try:
+                return model.model_validate_json(resp.content)
+            except ValidationError as exc:
+                raise Unavailable(f"{self.base_url}: unexpected response to {method} {path}: {exc}") from None
+        raise self._error(resp)
+
+    def _error(self, resp: httpx.Response) -> ControllerError:
+        if resp.status_code >= 500:
+            # A 5xx is the service's trouble, whatever the body says: always worth a retry.
+            return Unavailable(f"{self.base_url}: HTTP {resp.status_code}: {_message(resp)}")
+        try:
+            body = ErrorBody.model_validate_json(resp.content)
+        except ValidationError:
+            return ControllerError("INVALID_ARGUMENT", f"HTTP {resp.status_code}: {_message(resp)}")
+        return error_for(body.code, body.message)
+
+    async def health(self) -> HealthResponse:
+        return await self._request("GET", "/v1/health", HealthResponse)
+
+    async def backends(self) -> BackendsResponse:
+        return await self._request("GET", "/v1/backends", BackendsResponse)
+
+    async def launch(self, req: LaunchRequest) -> JobStatus:
+        return await self._request("POST", "/v1/jobs", JobStatus, json=req.model_dump(mode="json"))
+
+    async def status(self, job_id: str) -> JobStatus:
+        return await self._request("GET", _job_path(job_id), JobStatus)
+
+    async def list_jobs(self) -> list[JobStatus]:
+        return (await self._request("GET", "/v1/jobs", JobList)).jobs
+
+    async def logs(
+        self,
+        job_id: str,
+        offset: int = 0,
+        *,
+        follow: bool = False,
+        wait_s: float = 20.0,
+        limit: int | None = None,
+    ) -> LogChunk:
+        """Log bytes from ``offset``; with ``follow`` the server waits up to ``wait_s`` for more."""
+        params: dict[str, Any] = {"offset": offset}
+        timeout = None
+        if follow:
+            params.update(follow="true", wait_s=wait_s)
+            timeout = self.timeout + wait_s
+        if limit is not None:
+            params["limit"] = limit
+        return await self._request(
+            "GET", _job_path(job_id) + "/logs", LogChunk, params=params, request_timeout=timeout
+        )
+
+    async def terminate(self, job_id: str) -> JobStatus:
+        return await self._request(
+            "POST", _job_path(job_id) + "/terminate", JobStatus, request_timeout=self.timeout + 10
+        )
+
+
+def _message(resp: httpx.Response) -> str:
+    text = resp.text.strip().replace("\n", " ")
+    return text[:200] if text else resp.reason_phrase

@@ -1,0 +1,179 @@
+"""Wire models of the cluster controller API (SPEC §5, §7, §8).
+
+These are the request and response bodies of the HTTP API; the client library parses the same
+models, so both sides agree on one definition.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from iris.policy.models import BackendReport, Band, DeviceRequest
+
+# One job id segment: conservative characters so ids survive URLs, file names and logs unchanged.
+_SEGMENT = r"[A-Za-z0-9_@+=:,~-][A-Za-z0-9._@+=:,~-]*"
+JOB_ID_PATTERN = rf"^{_SEGMENT}(/{_SEGMENT})*$"
+_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+MAX_JOB_ID_LEN = 256
+# A trailing segment with these names would be routed as a sub-resource of the job, not the job.
+_RESERVED_LAST_SEGMENTS = frozenset({"logs", "terminate"})
+
+
+def validate_job_id(job_id: str) -> str:
+    """Return ``job_id`` if it is a valid job id, else raise ValueError with the reason."""
+    if not job_id or len(job_id) > MAX_JOB_ID_LEN:
+        raise ValueError(f"job id must be 1..{MAX_JOB_ID_LEN} characters")
+    if not _JOB_ID_RE.match(job_id):
+        raise ValueError(
+            "job id must be '/'-separated segments of letters, digits and ._@+=:,~- "
+            "(no empty segments, no segment starting with '.')"
+        )
+    if job_id.rsplit("/", 1)[-1] in _RESERVED_LAST_SEGMENTS:
+        raise ValueError("job id must not end with a 'logs' or 'terminate' segment")
+    return job_id
+
+
+class ErrorCode(StrEnum):
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    NOT_FOUND = "NOT_FOUND"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS[self]
+
+
+_HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.UNAVAILABLE: 503,
+}
+
+
+class ErrorBody(BaseModel):
+    """Every error response of the API: a stable code and a human message."""
+
+    code: ErrorCode
+    message: str
+
+
+class LaunchRequest(BaseModel):
+    """The handoff: run ``command`` under ``job_id`` on ``backend_id`` (SPEC §7)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(max_length=MAX_JOB_ID_LEN, examples=["alice/train-llama"])
+    command: list[str] = Field(min_length=1, max_length=4096)
+    env: dict[str, str] = Field(default_factory=dict)
+    device: DeviceRequest = DeviceRequest()
+    band: Band = Band.INTERACTIVE
+    user: str = Field(min_length=1, max_length=256)
+    # Cluster id handing the job in; must equal the signed token's issuer.
+    requester: str = Field(min_length=1, max_length=128)
+    # Minted once per job incarnation: the same nonce again is a replay, a new one a new run.
+    nonce: str = Field(min_length=1, max_length=256)
+    backend_id: str = Field(min_length=1, max_length=256)
+    timeout_s: float | None = Field(default=None, gt=0, le=365 * 24 * 3600)
+
+    @field_validator("job_id")
+    @classmethod
+    def _job_id(cls, value: str) -> str:
+        return validate_job_id(value)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        if not value[0]:
+            raise ValueError("command[0] (the program) must not be empty")
+        if any("\x00" in arg for arg in value):
+            raise ValueError("command arguments must not contain NUL characters")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, val in value.items():
+            if not key or "=" in key or "\x00" in key or "\x00" in val:
+                raise ValueError(f"invalid environment variable name or value for {key!r}")
+        return value
+
+
+class ControllerJobState(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"
+    # The controller lost track of the job's process (e.g. it died with the controller).
+    WORKER_FAILED = "WORKER_FAILED"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (ControllerJobState.PENDING, ControllerJobState.RUNNING)
+
+
+class TaskStatus(BaseModel):
+    """One replica process of a job."""
+
+    index: int
+    state: ControllerJobState
+    exit_code: int | None = None
+    # Device slot indices this replica holds (empty for CPU jobs).
+    slots: list[int] = Field(default_factory=list)
+
+
+class JobStatus(BaseModel):
+    job_id: str
+    state: ControllerJobState
+    backend_id: str
+    exit_code: int | None = None
+    error: str | None = None
+    created_ms: int
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    band: Band
+    user: str
+    requester: str
+    nonce: str
+    # How many times this job id has been launched (a new nonce after a finished run counts again).
+    attempts: int = 1
+    tasks: list[TaskStatus] = Field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+
+class JobList(BaseModel):
+    jobs: list[JobStatus]
+
+
+class LogChunk(BaseModel):
+    """Bytes ``[offset, next_offset)`` of the job's log, decoded as UTF-8.
+
+    ``eof`` is true when the job is terminal and everything was read: a reader stops there.
+    """
+
+    data: str
+    offset: int
+    next_offset: int
+    eof: bool
+
+
+class BackendsResponse(BaseModel):
+    cluster: str
+    backends: list[BackendReport]
+
+
+class HealthResponse(BaseModel):
+    status: str = "ok"
+    cluster: str

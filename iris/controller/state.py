@@ -1,0 +1,279 @@
+"""Durable controller state: every job it ever accepted, in SQLite (``state_dir/controller.db``).
+
+The executor owns the in-memory truth and writes each transition through this store before acting
+on it (e.g. a job is recorded RUNNING with its run id before its processes are spawned), so a
+controller restarted after ``kill -9`` can report every job honestly and find leftover processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from iris.controller.models import ControllerJobState, JobStatus, LaunchRequest, TaskStatus
+from iris.policy.models import Band, DeviceRequest
+
+DB_NAME = "controller.db"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    requester TEXT NOT NULL,
+    nonce TEXT NOT NULL,
+    user TEXT NOT NULL,
+    band INTEGER NOT NULL,
+    backend_id TEXT NOT NULL,
+    command TEXT NOT NULL,
+    env TEXT NOT NULL,
+    device TEXT NOT NULL,
+    timeout_s REAL,
+    state TEXT NOT NULL,
+    exit_code INTEGER,
+    error TEXT,
+    created_ms INTEGER NOT NULL,
+    started_ms INTEGER,
+    finished_ms INTEGER,
+    attempts INTEGER NOT NULL,
+    run_id TEXT NOT NULL,
+    tasks TEXT NOT NULL,
+    terminate_requested INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
+CREATE TABLE IF NOT EXISTS seen_tokens (jti TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
+"""
+
+
+class StateDirBusy(RuntimeError):
+    """Another live controller holds the state directory."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class TaskRecord:
+    index: int
+    state: ControllerJobState = ControllerJobState.PENDING
+    exit_code: int | None = None
+    slots: list[int] = field(default_factory=list)
+    pid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "state": self.state.value,
+            "exit_code": self.exit_code,
+            "slots": self.slots,
+            "pid": self.pid,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TaskRecord:
+        return cls(
+            index=int(data["index"]),
+            state=ControllerJobState(data["state"]),
+            exit_code=data.get("exit_code"),
+            slots=[int(s) for s in data.get("slots", [])],
+            pid=data.get("pid"),
+        )
+
+
+@dataclass
+class JobRecord:
+    """Everything the controller knows about one job id (its latest run)."""
+
+    job_id: str
+    seq: int
+    requester: str
+    nonce: str
+    user: str
+    band: Band
+    backend_id: str
+    command: list[str]
+    env: dict[str, str]
+    device: DeviceRequest
+    timeout_s: float | None
+    state: ControllerJobState
+    created_ms: int
+    attempts: int
+    run_id: str
+    exit_code: int | None = None
+    error: str | None = None
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    tasks: list[TaskRecord] = field(default_factory=list)
+    terminate_requested: bool = False
+
+    @classmethod
+    def new(cls, req: LaunchRequest, *, seq: int, run_id: str, attempts: int) -> JobRecord:
+        return cls(
+            job_id=req.job_id,
+            seq=seq,
+            requester=req.requester,
+            nonce=req.nonce,
+            user=req.user,
+            band=req.band,
+            backend_id=req.backend_id,
+            command=list(req.command),
+            env=dict(req.env),
+            device=req.device,
+            timeout_s=req.timeout_s,
+            state=ControllerJobState.PENDING,
+            created_ms=now_ms(),
+            attempts=attempts,
+            run_id=run_id,
+            tasks=[TaskRecord(index=i) for i in range(req.device.replicas)],
+        )
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def status(self) -> JobStatus:
+        return JobStatus(
+            job_id=self.job_id,
+            state=self.state,
+            backend_id=self.backend_id,
+            exit_code=self.exit_code,
+            error=self.error,
+            created_ms=self.created_ms,
+            started_ms=self.started_ms,
+            finished_ms=self.finished_ms,
+            band=self.band,
+            user=self.user,
+            requester=self.requester,
+            nonce=self.nonce,
+            attempts=self.attempts,
+            tasks=[
+                TaskStatus(index=t.index, state=t.state, exit_code=t.exit_code, slots=list(t.slots))
+                for t in self.tasks
+            ],
+        )
+
+
+_COLUMNS = (
+    "job_id, seq, requester, nonce, user, band, backend_id, command, env, device, timeout_s, state, "
+    "exit_code, error, created_ms, started_ms, finished_ms, attempts, run_id, tasks, terminate_requested"
+)
+
+
+class StateStore:
+    """A small synchronous SQLite store; each call is one short transaction."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        # Two controllers on one state dir would each take the other's jobs for lost and kill them.
+        self._lock = (state_dir / "controller.lock").open("a")
+        try:
+            fcntl.flock(self._lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise StateDirBusy(f"state dir {state_dir} is in use by another controller") from None
+        self.path = state_dir / DB_NAME
+        # The executor runs on one event loop thread; autocommit off, explicit transactions.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+        row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise RuntimeError(f"{self.path}: unsupported schema version {row[0]}")
+
+    def close(self) -> None:
+        self._db.close()
+        self._lock.close()
+
+    def next_seq(self) -> int:
+        row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()
+        return int(row[0]) + 1
+
+    def save(self, job: JobRecord) -> None:
+        placeholders = ", ".join("?" for _ in _COLUMNS.split(","))
+        self._db.execute(
+            f"INSERT OR REPLACE INTO jobs ({_COLUMNS}) VALUES ({placeholders})",
+            (
+                job.job_id,
+                job.seq,
+                job.requester,
+                job.nonce,
+                job.user,
+                int(job.band),
+                job.backend_id,
+                json.dumps(job.command),
+                json.dumps(job.env),
+                job.device.model_dump_json(),
+                job.timeout_s,
+                job.state.value,
+                job.exit_code,
+                job.error,
+                job.created_ms,
+                job.started_ms,
+                job.finished_ms,
+                job.attempts,
+                job.run_id,
+                json.dumps([t.to_json() for t in job.tasks]),
+                int(job.terminate_requested),
+            ),
+        )
+
+    def load_all(self) -> list[JobRecord]:
+        rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY seq").fetchall()
+        return [self._row_to_job(r) for r in rows]
+
+    @staticmethod
+    def _row_to_job(r: tuple[Any, ...]) -> JobRecord:
+        return JobRecord(
+            job_id=r[0],
+            seq=r[1],
+            requester=r[2],
+            nonce=r[3],
+            user=r[4],
+            band=Band(r[5]),
+            backend_id=r[6],
+            command=json.loads(r[7]),
+            env=json.loads(r[8]),
+            device=DeviceRequest.model_validate_json(r[9]),
+            timeout_s=r[10],
+            state=ControllerJobState(r[11]),
+            exit_code=r[12],
+            error=r[13],
+            created_ms=r[14],
+            started_ms=r[15],
+            finished_ms=r[16],
+            attempts=r[17],
+            run_id=r[18],
+            tasks=[TaskRecord.from_json(t) for t in json.loads(r[19])],
+            terminate_requested=bool(r[20]),
+        )
+
+    def remember_token(self, jti: str, expires_ms: int) -> bool:
+        """Record a token id; False if it was already seen (a replay). Expired ids are purged."""
+        now = now_ms()
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("DELETE FROM seen_tokens WHERE expires_ms < ?", (now,))
+            try:
+                self._db.execute("INSERT INTO seen_tokens (jti, expires_ms) VALUES (?, ?)", (jti, expires_ms))
+            except sqlite3.IntegrityError:
+                self._db.execute("ROLLBACK")
+                return False
+            self._db.execute("COMMIT")
+            return True
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
