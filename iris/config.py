@@ -7,6 +7,7 @@ controller read the same file, so the demo stack and the tests agree on one topo
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -174,11 +175,18 @@ def load_config(path: str | Path | None = None) -> FederationConfig:
     """Load and validate the federation config; raise ConfigError with a one-line message."""
     p = config_path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        text = p.read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {p}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc}") from None
+    try:
+        # JSON is accepted too, for generated configs (tests write one with free ports).
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"config file {p} is not valid {p.suffix.lstrip('.').upper() or 'TOML'}: {exc}"
+        ) from None
     try:
         return FederationConfig.model_validate(data)
     except ValidationError as exc:

@@ -1,0 +1,116 @@
+"""Activities that talk to cluster controllers: capacity reports, handoff, mirroring, terminate.
+
+Thin adapters: each does one kind of I/O through the typed controller client and returns plain
+models; decisions stay in the policy package and the workflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from iris.config import FederationConfig
+from iris.controller.client import ControllerClient
+from iris.controller.errors import ControllerError, NotFound
+from iris.controller.models import JobStatus as ControllerJobStatus
+from iris.controller.models import LaunchRequest
+from iris.reports import FederationView, gather_reports
+
+# Error type names the workflow reacts to; refusals are never retried.
+HANDOFF_REJECTED = "HandoffRejected"
+JOB_LOST = "JobLost"
+
+
+class LaunchInput(BaseModel):
+    cluster: str
+    request: LaunchRequest
+
+
+class MirrorInput(BaseModel):
+    cluster: str
+    job_id: str
+    known_state: str | None = None
+    poll_interval_s: float = 0.2
+    # Return even without a change after this long, so the workflow's loop stays responsive.
+    max_wait_s: float = 600.0
+
+
+class TerminateInput(BaseModel):
+    cluster: str
+    job_id: str
+
+
+class PeerActivities:
+    def __init__(self, config: FederationConfig, *, request_timeout_s: float = 5.0) -> None:
+        self._config = config
+        self._timeout = request_timeout_s
+
+    def _client(self, cluster: str) -> ControllerClient:
+        try:
+            url = self._config.cluster(cluster).url
+        except KeyError:
+            raise ApplicationError(f"unknown cluster {cluster!r}", non_retryable=True) from None
+        return ControllerClient(url, timeout=self._timeout)
+
+    @activity.defn
+    async def fetch_reports(self) -> FederationView:
+        """Poll every cluster's controller concurrently; an unreachable one is reported as such."""
+        return await gather_reports(self._config, timeout_s=self._timeout)
+
+    @activity.defn
+    async def launch_job(self, inp: LaunchInput) -> ControllerJobStatus:
+        """Hand the job to a cluster's controller. Refusals are final; outages are retried."""
+        try:
+            async with self._client(inp.cluster) as client:
+                return await client.launch(inp.request)
+        except ControllerError as exc:
+            if exc.retryable:
+                raise
+            raise ApplicationError(
+                f"{inp.cluster} refused the job: {exc.message}",
+                exc.code,
+                type=HANDOFF_REJECTED,
+                non_retryable=True,
+            ) from None
+
+    @activity.defn
+    async def mirror_job(self, inp: MirrorInput) -> ControllerJobStatus:
+        """Follow the job on its cluster until its state differs from ``known_state``.
+
+        Polls sub-second inside one heartbeating activity (server-side retries are never faster
+        than ~1 s); transient errors are ridden out here, heartbeating all along.
+        """
+        deadline = time.monotonic() + inp.max_wait_s
+        last: ControllerJobStatus | None = None
+        async with self._client(inp.cluster) as client:
+            while True:
+                try:
+                    last = await client.status(inp.job_id)
+                except NotFound:
+                    raise ApplicationError(
+                        f"{inp.cluster} no longer knows job {inp.job_id}", type=JOB_LOST, non_retryable=True
+                    ) from None
+                except ControllerError as exc:
+                    if not exc.retryable:
+                        raise
+                    activity.heartbeat(f"{inp.cluster} unavailable: {exc.message}")
+                else:
+                    activity.heartbeat(last.state.value)
+                    if last.state.value != inp.known_state or last.terminal:
+                        return last
+                    if time.monotonic() > deadline:
+                        return last
+                await asyncio.sleep(inp.poll_interval_s)
+
+    @activity.defn
+    async def terminate_job(self, inp: TerminateInput) -> ControllerJobStatus | None:
+        """Ask the cluster to terminate the job; a cluster that no longer knows it satisfies the cancel."""
+        try:
+            async with self._client(inp.cluster) as client:
+                return await client.terminate(inp.job_id)
+        except NotFound:
+            return None

@@ -1,0 +1,65 @@
+"""`iris`: the command line of the federated scheduler."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import common
+from cli.dev import dev_command
+from cli.job import job_app
+
+app = typer.Typer(
+    name="iris",
+    help=(
+        "Federated ML job scheduler on Temporal: submit once, run wherever capacity exists.\n\n"
+        "Exit codes: 0 ok; 1 the job did not succeed; 2 invalid input or rejected job; "
+        "3 not found; 4 a service is unavailable; 130 interrupted."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(job_app, name="job")
+app.command("dev")(dev_command)
+
+
+@app.callback()
+def root(
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="IRIS_CONFIG",
+            help="Federation config file (default: config/clusters.toml in the project).",
+        ),
+    ] = None,
+) -> None:
+    common.STATE.config_file = config
+
+
+@app.command("worker")
+def worker_command() -> None:
+    """Run a Temporal worker for the federation (workflows and activities) until interrupted."""
+    from worker.main import run_worker
+
+    common.run(run_worker(common.config()))
+
+
+def main() -> None:
+    try:
+        app()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: the Temporal SDK's runtime can crash at exit (sdk-python #300).
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""`iris dev`: the whole embedded stack from one command, stopped by Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import common
+from iris import devstack
+from iris.config import PROJECT_ROOT, FederationConfig, config_path
+
+DEFAULT_DATA_DIR = PROJECT_ROOT / ".data" / "dev"
+
+
+def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
+    host, _, port = cfg.temporal.address.rpartition(":")
+    ports = [
+        ("Temporal", host or "127.0.0.1", int(port)),
+        ("Temporal Web UI", host or "127.0.0.1", cfg.temporal.ui_port),
+        ("S3 (moto)", "127.0.0.1", cfg.s3_port),
+        ("GCS (fake-gcs-server)", "127.0.0.1", cfg.gcs_port),
+    ]
+    ports += [(f"controller {c.name}", c.host, c.port) for c in cfg.clusters]
+    return ports
+
+
+async def _serve(cfg: FederationConfig) -> None:
+    from iris.temporal import connect
+    from worker.main import build_worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client = await connect(cfg)
+    async with build_worker(client, cfg):
+        typer.echo("worker: running on task queue " + cfg.temporal.task_queue)
+        typer.echo("\nReady. Try:  uv run iris job run -- echo hello      (Ctrl-C stops everything)")
+        await stop.wait()
+    typer.echo("\nstopping…")
+
+
+def dev_command(
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="Where the stack keeps its state (jobs survive restarts).")
+    ] = DEFAULT_DATA_DIR,
+) -> None:
+    """Start the embedded stack: Temporal + Web UI, S3 and GCS emulators, every cluster controller, the worker."""
+    cfg = common.config()
+    cfg_file = config_path(common.STATE.config_file).resolve()
+    busy = [f"{name} ({h}:{p})" for name, h, p in _ports(cfg) if devstack.port_open(h, p)]
+    if busy:
+        common.fail(
+            f"port already in use: {', '.join(busy)} (is another `iris dev` running?)",
+            common.EXIT_UNAVAILABLE,
+        )
+    data_dir = data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(devstack.object_store_env(cfg))
+    services = [
+        devstack.temporal_server(cfg, data_dir, db_file=data_dir / "temporal.db"),
+        devstack.s3_server(cfg, data_dir),
+        devstack.gcs_server(cfg, data_dir),
+        *(devstack.controller(cfg_file, cfg, c.name, data_dir) for c in cfg.clusters),
+    ]
+    started: list[devstack.ManagedProcess] = []
+    code = common.EXIT_OK
+    try:
+        typer.echo(f"data directory: {data_dir}")
+        for svc in services:
+            svc.start()
+            started.append(svc)
+        for svc in services:
+            svc.wait_ready(timeout=90)
+            typer.echo(f"{svc.name:<28} {svc.address}")
+        devstack.ensure_buckets(cfg)
+        typer.echo(f"{'logs':<28} {data_dir / 'logs'}")
+        asyncio.run(_serve(cfg))
+    except devstack.ServiceError as exc:
+        typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
+        code = common.EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        typer.echo("\nstopping…")
+    finally:
+        for svc in reversed(started):
+            svc.stop()
+        typer.echo("stopped.")
+    raise typer.Exit(code)

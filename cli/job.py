@@ -1,0 +1,249 @@
+"""`iris job ...`: submit, list, describe, follow and cancel jobs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from cli import common
+from iris.client import IrisError, build_spec
+from iris.jobs import JobState, JobStatus
+
+job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
+
+
+def _clock(ms: int) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S")
+
+
+def _age(ms_or_dt: int | dt.datetime | None) -> str:
+    if ms_or_dt is None:
+        return "-"
+    then = ms_or_dt.timestamp() if isinstance(ms_or_dt, dt.datetime) else ms_or_dt / 1000
+    secs = max(0, int(dt.datetime.now().timestamp() - then))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs // size}{unit}"
+    return f"{secs}s"
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            common.fail(f"invalid --env {item!r}: expected KEY=VALUE", common.EXIT_INVALID)
+        env[key] = value
+    return env
+
+
+def _parse_duration(text: str | None) -> float | None:
+    if text is None:
+        return None
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            return float(t[:-1]) * units[t[-1]]
+        return float(t)
+    except ValueError:
+        common.fail(f"invalid duration {text!r}: use e.g. 90s, 10m, 2h", common.EXIT_INVALID)
+
+
+@job_app.command("run", context_settings={"allow_interspersed_args": False})
+def run_command(
+    command: Annotated[list[str], typer.Argument(help="The command to run, after `--`.", show_default=False)],
+    target_cluster: Annotated[
+        str | None, typer.Option("--target-cluster", help="Pin the job to this cluster.")
+    ] = None,
+    device_type: Annotated[
+        str | None, typer.Option("--device-type", help="cpu, gpu, tpu, or a variant such as h100.")
+    ] = None,
+    device_variant: Annotated[str | None, typer.Option("--device-variant", help="e.g. h100.")] = None,
+    gpu_count: Annotated[int, typer.Option("--gpu-count", help="Devices per replica.")] = 0,
+    replicas: Annotated[int, typer.Option("--replicas", help="Replicas, all on one backend.")] = 1,
+    priority: Annotated[
+        str, typer.Option("--priority", help="production | interactive | batch.")
+    ] = "interactive",
+    region: Annotated[str | None, typer.Option("--region")] = None,
+    zone: Annotated[str | None, typer.Option("--zone")] = None,
+    preemptible: Annotated[
+        bool | None, typer.Option("--preemptible/--no-preemptible", show_default=False)
+    ] = None,
+    artifact: Annotated[
+        list[str] | None, typer.Option("--artifact", help="gs://… or s3://… that must exist (repeatable).")
+    ] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")] = None,
+    scheduling_timeout: Annotated[
+        str | None, typer.Option("--scheduling-timeout", help="Give up if not placed within, e.g. 10m.")
+    ] = None,
+    job_name: Annotated[str | None, typer.Option("--job-name", help="Job name (id = user/name).")] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return.")] = False,
+) -> None:
+    """Submit a job: `iris job run --device-type h100 --gpu-count 8 -- python train.py`."""
+    try:
+        spec = build_spec(
+            command,
+            name=job_name,
+            device_type=device_type,
+            device_variant=device_variant,
+            gpu_count=gpu_count,
+            replicas=replicas,
+            priority=priority,
+            target_cluster=target_cluster,
+            region=region,
+            zone=zone,
+            preemptible=preemptible,
+            artifacts=artifact or [],
+            env=_parse_env(env or []),
+            scheduling_timeout_s=_parse_duration(scheduling_timeout),
+        )
+    except IrisError as exc:
+        common.fail(str(exc), exc.exit_code)
+
+    async def go() -> int:
+        client = await common.client()
+        job_id = await client.submit_spec(spec)
+        typer.echo(job_id)
+        if no_wait:
+            return common.EXIT_OK
+
+        def show(st: JobStatus) -> None:
+            where = f" [{st.cluster}]" if st.cluster else ""
+            typer.echo(f"{_clock(st.updated_ms)} {st.state.value:<16}{where} {st.reason}", err=True)
+
+        try:
+            final = await client.wait(job_id, on_change=show)
+        except KeyboardInterrupt:
+            typer.echo(f"stopped waiting; the job goes on (iris job cancel {job_id})", err=True)
+            return common.EXIT_INTERRUPTED
+        return common.EXIT_OK if final.state is JobState.SUCCEEDED else common.EXIT_JOB_FAILED
+
+    raise typer.Exit(common.run(go()))
+
+
+@job_app.command("list")
+def list_command(
+    state: Annotated[str | None, typer.Option("--state", help="Only jobs in this state.")] = None,
+    peer: Annotated[str | None, typer.Option("--peer", help="Only jobs on this cluster.")] = None,
+    user: Annotated[str | None, typer.Option("--user", help="Only jobs of this submitter.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+) -> None:
+    """List jobs, newest first."""
+    if state is not None and state.upper() not in JobState.__members__:
+        common.fail(
+            f"unknown state {state!r} (one of: {', '.join(JobState.__members__)})", common.EXIT_INVALID
+        )
+
+    async def go() -> None:
+        client = await common.client()
+        rows = await client.list(state=state, peer=peer, user=user)
+        if as_json:
+            typer.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+            return
+        header = ("JOB ID", "STATE", "CLUSTER", "BAND", "DEVICE", "USER", "AGE")
+        table = [header] + [
+            (
+                r.job_id,
+                r.state,
+                r.peer or "-",
+                r.band or "-",
+                r.device or "-",
+                r.user or "-",
+                _age(r.started_at),
+            )
+            for r in rows
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        for row in table:
+            typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+    common.run(go())
+
+
+@job_app.command("describe")
+def describe_command(
+    job_id: Annotated[str, typer.Argument(help="The job id, e.g. alice/train-llama-1a2b3c.")],
+    as_json: Annotated[bool, typer.Option("--json", help="The full status as JSON.")] = False,
+) -> None:
+    """Where a job is, why, and how it got there."""
+
+    async def go() -> None:
+        client = await common.client()
+        st = await client.describe(job_id)
+        if as_json:
+            typer.echo(st.model_dump_json(indent=2))
+            return
+        spec = st.spec
+        lines = [
+            f"Job:            {st.job_id}",
+            f"State:          {st.state.value}",
+            f"Reason:         {st.reason}",
+            f"Cluster:        {st.cluster or '-'}" + (f" (backend {st.backend_id})" if st.backend_id else ""),
+        ]
+        if spec is not None:
+            lines += [
+                f"Submitted by:   {spec.user} at {_clock(spec.submit_ms)}",
+                f"Command:        {' '.join(spec.command)}",
+                f"Device:         {spec.device_label}   band: {spec.band.label}"
+                + (f"   pinned to: {spec.target_cluster}" if spec.target_cluster else ""),
+            ]
+        if st.disposition:
+            lines.append(f"Classification: {st.disposition} — {st.classification_reason}")
+        if st.exit_code is not None:
+            lines.append(f"Exit code:      {st.exit_code}")
+        if st.error:
+            lines.append(f"Error:          {st.error}")
+        lines.append("Events:")
+        lines += [f"  {_clock(e.at_ms)}  {e.state.value:<16} {e.message}" for e in st.events]
+        typer.echo("\n".join(lines))
+
+    common.run(go())
+
+
+@job_app.command("logs")
+def logs_command(
+    job_id: Annotated[str, typer.Argument(help="The job id.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
+) -> None:
+    """Print a job's output (stdout and stderr) from the cluster that ran it."""
+
+    async def go() -> None:
+        client = await common.client()
+        if follow:
+            async for data in client.follow_logs(job_id):
+                sys.stdout.write(data)
+                sys.stdout.flush()
+            return
+        offset = 0
+        while True:
+            chunk = await client.logs(job_id, offset)
+            sys.stdout.write(chunk.data)
+            if not chunk.data or chunk.next_offset == offset:
+                break
+            offset = chunk.next_offset
+        sys.stdout.flush()
+
+    common.run(go())
+
+
+@job_app.command("cancel")
+def cancel_command(
+    job_id: Annotated[str, typer.Argument(help="The job id.")],
+    reason: Annotated[
+        str, typer.Option("--reason", help="Recorded in the job's history.")
+    ] = "Cancelled by user",
+) -> None:
+    """Cancel a job, saying whether the cancel won the race against its handoff."""
+
+    async def go() -> None:
+        client = await common.client()
+        outcome = await client.cancel_and_report(job_id, reason)
+        verdict = "won" if outcome.won else "lost"
+        typer.echo(f"{job_id}: cancel {verdict} ({outcome.state.value}): {outcome.message}")
+
+    common.run(go())

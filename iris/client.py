@@ -1,0 +1,451 @@
+"""The Python SDK: submit, cancel, describe, list, wait and read logs of federated jobs.
+
+``AsyncIrisClient`` is the asyncio API; ``IrisClient`` wraps it for plain scripts::
+
+    from iris.client import IrisClient
+
+    client = IrisClient()
+    job_id = client.submit(["python", "train.py"], device_type="h100", gpu_count=8)
+    print(client.wait(job_id).state)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from iris.config import FederationConfig, load_config
+from iris.controller.client import ControllerClient
+from iris.controller.errors import ControllerError
+from iris.controller.models import LogChunk
+from iris.jobs import (
+    JOB_WORKFLOW_TYPE,
+    SA_BAND,
+    SA_DEVICE_VARIANT,
+    SA_PEER,
+    SA_STATE,
+    SA_SUBMITTER,
+    CancelOutcome,
+    CancelRequest,
+    JobSpec,
+    JobState,
+    JobStatus,
+    start_search_attributes,
+    workflow_id,
+)
+from iris.policy import classify, device_request
+from iris.policy.models import Band, Constraint, Disposition, Op
+from iris.reports import gather_reports
+from iris.temporal import connect
+
+T = TypeVar("T")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_ENV_BYTES = 64 * 1024
+MAX_COMMAND_BYTES = 64 * 1024
+
+
+class IrisError(Exception):
+    """Base of every SDK error; ``str(err)`` is one line a user can act on."""
+
+    exit_code = 1
+
+
+class InvalidJob(IrisError):
+    exit_code = 2
+
+
+class JobRejected(IrisError):
+    """No cluster in the federation can ever run this job (SPEC §4 reject)."""
+
+    exit_code = 2
+
+
+class JobAlreadyExists(IrisError):
+    exit_code = 2
+
+
+class JobNotFound(IrisError):
+    exit_code = 3
+
+
+class Unavailable(IrisError):
+    exit_code = 4
+
+
+class JobSummary(BaseModel):
+    """One row of ``list``: what the Temporal visibility store knows without asking the worker."""
+
+    job_id: str
+    state: str
+    peer: str | None
+    band: str | None
+    device: str | None
+    user: str | None
+    started_at: datetime | None
+    closed: bool
+
+
+def current_user() -> str:
+    return os.environ.get("IRIS_USER") or getpass.getuser()
+
+
+def _user_prefix(user: str) -> str:
+    local = user.split("@", 1)[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", local) or "user"
+
+
+def _default_name(command: Sequence[str]) -> str:
+    base = Path(command[0]).name if command else "job"
+    if base.startswith("python") and len(command) > 1 and not command[1].startswith("-"):
+        base = Path(command[1]).stem
+    base = re.sub(r"[^A-Za-z0-9._-]", "-", base).strip("-.") or "job"
+    return f"{base[:40]}-{secrets.token_hex(3)}"
+
+
+def build_spec(
+    command: Sequence[str],
+    *,
+    name: str | None = None,
+    user: str | None = None,
+    device_type: str | None = None,
+    device_variant: str | None = None,
+    gpu_count: int = 0,
+    replicas: int = 1,
+    priority: str | Band = Band.INTERACTIVE,
+    target_cluster: str | None = None,
+    region: str | None = None,
+    zone: str | None = None,
+    preemptible: bool | None = None,
+    artifacts: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    scheduling_timeout_s: float | None = None,
+) -> JobSpec:
+    """Validate user input into a JobSpec; raise InvalidJob with a one-line message."""
+    cmd = list(command)
+    if not cmd or not cmd[0].strip():
+        raise InvalidJob("no command given: put it after `--`, e.g. `iris job run -- python train.py`")
+    if sum(len(a.encode("utf-8", "surrogatepass")) for a in cmd) > MAX_COMMAND_BYTES:
+        raise InvalidJob(f"command is larger than {MAX_COMMAND_BYTES} bytes")
+    for arg in cmd:
+        if "\x00" in arg:
+            raise InvalidJob("command contains a NUL byte")
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidJob("command is not valid UTF-8") from None
+    who = user or current_user()
+    job_name = name or _default_name(cmd)
+    if not _NAME_RE.match(job_name):
+        raise InvalidJob(f"invalid job name {job_name!r}: use 1-63 letters, digits, '.', '_' or '-'")
+    try:
+        device = device_request(device_type, device_variant, gpu_count, replicas)
+    except ValueError as exc:
+        raise InvalidJob(str(exc)) from None
+    try:
+        band = priority if isinstance(priority, Band) else Band.parse(priority)
+    except ValueError as exc:
+        raise InvalidJob(str(exc)) from None
+    constraints: list[Constraint] = []
+    for key, value in (("region", region), ("zone", zone)):
+        if value is not None:
+            if not value.strip():
+                raise InvalidJob(f"--{key} must not be empty")
+            constraints.append(Constraint(key=key, op=Op.EQ, values=(value.strip().lower(),)))
+    if preemptible is not None:
+        constraints.append(Constraint(key="preemptible", op=Op.EQ, values=(str(preemptible).lower(),)))
+    for uri in artifacts:
+        if not re.match(r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/.+", uri):
+            raise InvalidJob(f"invalid artifact URI {uri!r}: expected gs://bucket/path or s3://bucket/path")
+    job_env = dict(env or {})
+    for key in job_env:
+        if not _ENV_KEY_RE.match(key):
+            raise InvalidJob(f"invalid environment variable name {key!r}")
+    if sum(len(k) + len(v) for k, v in job_env.items()) > MAX_ENV_BYTES:
+        raise InvalidJob(f"environment is larger than {MAX_ENV_BYTES} bytes")
+    if scheduling_timeout_s is not None and not (0 < scheduling_timeout_s <= 30 * 86400):
+        raise InvalidJob("scheduling timeout must be between 1s and 30 days")
+    return JobSpec(
+        job_id=f"{_user_prefix(who)}/{job_name}",
+        name=job_name,
+        user=who,
+        command=cmd,
+        env=job_env,
+        device=device,
+        constraints=tuple(constraints),
+        band=band,
+        target_cluster=target_cluster.strip().lower() if target_cluster else None,
+        artifacts=list(artifacts),
+        scheduling_timeout_s=scheduling_timeout_s,
+        submit_ms=int(time.time() * 1000),
+    )
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class AsyncIrisClient:
+    """Asyncio SDK over a Temporal client and the federation config."""
+
+    def __init__(self, temporal: Client, config: FederationConfig) -> None:
+        self.temporal = temporal
+        self.config = config
+
+    @classmethod
+    async def connect(cls, config: FederationConfig | str | Path | None = None) -> AsyncIrisClient:
+        cfg = config if isinstance(config, FederationConfig) else load_config(config)
+        try:
+            temporal = await connect(cfg)
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot reach Temporal at {cfg.temporal.address}: {exc}") from None
+        return cls(temporal, cfg)
+
+    def _handle(self, job_id: str) -> WorkflowHandle[Any, JobStatus]:
+        return self.temporal.get_workflow_handle(workflow_id(job_id), result_type=JobStatus)
+
+    async def precheck(self, spec: JobSpec) -> str:
+        """Classify against the federation's current reports; raise JobRejected if nobody can host it."""
+        view = await gather_reports(self.config)
+        decision = classify(
+            spec.shape(),
+            home=view.home,
+            reports=view.reports,
+            now_ms=int(time.time() * 1000),
+            stale_after_ms=view.stale_after_ms,
+        )
+        if decision.disposition is Disposition.REJECT:
+            raise JobRejected(f"job rejected: {decision.reason}")
+        return decision.reason
+
+    async def submit_spec(self, spec: JobSpec) -> str:
+        await self.precheck(spec)
+        try:
+            await self.temporal.start_workflow(
+                JOB_WORKFLOW_TYPE,
+                spec,
+                id=workflow_id(spec.job_id),
+                task_queue=self.config.temporal.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=start_search_attributes(spec),
+                static_summary=spec.summary(),
+                static_details=f"command: {' '.join(spec.command)[:500]}",
+                result_type=JobStatus,
+            )
+        except WorkflowAlreadyStartedError:
+            raise JobAlreadyExists(f"job {spec.job_id} already exists; choose another --job-name") from None
+        except RPCError as exc:
+            raise Unavailable(f"cannot start job {spec.job_id}: {exc.message}") from None
+        return spec.job_id
+
+    async def submit(
+        self, command: Sequence[str] | None = None, *, script: str | None = None, **kw: Any
+    ) -> str:
+        """Submit a job; returns its id. ``script`` is shorthand for ``["python", script]``."""
+        if command is None and script is not None:
+            command = ["python", script]
+        return await self.submit_spec(build_spec(command or [], **kw))
+
+    async def describe(self, job_id: str) -> JobStatus:
+        try:
+            status: JobStatus = await self._handle(job_id).query("status", result_type=JobStatus)
+            return status
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(f"job {job_id} not found") from None
+            raise Unavailable(f"cannot describe {job_id}: {exc.message}") from None
+
+    async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
+        """Fire-and-forget cancel (a signal)."""
+        try:
+            await self._handle(job_id).signal("cancel", CancelRequest(reason=reason))
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(f"job {job_id} not found or already finished") from None
+            raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+
+    async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
+        """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
+        try:
+            outcome: CancelOutcome = await self._handle(job_id).execute_update(
+                "cancel_job", CancelRequest(reason=reason), result_type=CancelOutcome
+            )
+            return outcome
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                status = await self.describe(job_id)
+                return CancelOutcome(
+                    won=False, state=status.state, message=f"job already ended as {status.state}"
+                )
+            raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+
+    async def list(
+        self,
+        *,
+        state: str | None = None,
+        peer: str | None = None,
+        user: str | None = None,
+        limit: int = 1000,
+    ) -> list[JobSummary]:
+        query = [f"WorkflowType = {_quote(JOB_WORKFLOW_TYPE)}"]
+        if state:
+            query.append(f"IrisState = {_quote(state.upper())}")
+        if peer:
+            query.append(f"IrisPeer = {_quote(peer)}")
+        if user:
+            query.append(f"IrisSubmitter = {_quote(user)}")
+        rows: list[JobSummary] = []
+        try:
+            async for wf in self.temporal.list_workflows(" AND ".join(query), limit=limit):
+                sa = wf.typed_search_attributes
+                variant = sa.get(SA_DEVICE_VARIANT)
+                rows.append(
+                    JobSummary(
+                        job_id=wf.id,
+                        state=sa.get(SA_STATE) or "UNKNOWN",
+                        peer=sa.get(SA_PEER),
+                        band=sa.get(SA_BAND),
+                        device=variant,
+                        user=sa.get(SA_SUBMITTER),
+                        started_at=wf.start_time,
+                        closed=wf.status is not None and wf.status != WorkflowExecutionStatus.RUNNING,
+                    )
+                )
+        except RPCError as exc:
+            raise Unavailable(f"cannot list jobs: {exc.message}") from None
+        return rows
+
+    async def wait(
+        self,
+        job_id: str,
+        *,
+        on_change: Callable[[JobStatus], Awaitable[None] | None] | None = None,
+        poll_interval_s: float = 0.25,
+        timeout_s: float | None = None,
+    ) -> JobStatus:
+        """Wait until the job is terminal, calling ``on_change`` on each state or reason change."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last: tuple[JobState, str] | None = None
+        while True:
+            status = await self.describe(job_id)
+            key = (status.state, status.reason)
+            if key != last:
+                last = key
+                if on_change is not None:
+                    res = on_change(status)
+                    if asyncio.iscoroutine(res):
+                        await res
+            if status.terminal:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {status.state.value} after {timeout_s}s")
+            await asyncio.sleep(poll_interval_s)
+
+    async def logs(self, job_id: str, offset: int = 0) -> LogChunk:
+        """A chunk of the job's output from the cluster that runs (or ran) it."""
+        status = await self.describe(job_id)
+        if status.cluster is None:
+            return LogChunk(data="", offset=offset, next_offset=offset, eof=status.terminal)
+        try:
+            async with ControllerClient(self.config.cluster(status.cluster).url) as ctl:
+                return await ctl.logs(job_id, offset=offset)
+        except ControllerError as exc:
+            raise Unavailable(f"cannot read logs of {job_id} from {status.cluster}: {exc.message}") from None
+
+    async def follow_logs(self, job_id: str, *, poll_interval_s: float = 0.25) -> AsyncIterator[str]:
+        """Yield the job's output as it is written, until the job ends and everything was read."""
+        offset = 0
+        while True:
+            chunk = await self.logs(job_id, offset)
+            if chunk.data:
+                yield chunk.data
+            offset = chunk.next_offset
+            if chunk.eof:
+                return
+            if not chunk.data:
+                await asyncio.sleep(poll_interval_s)
+
+
+class IrisClient:
+    """Synchronous facade over AsyncIrisClient, for scripts and notebooks.
+
+    One private event loop runs in a daemon thread; every call blocks until its answer.
+    """
+
+    def __init__(
+        self, cluster: str | None = None, *, config: FederationConfig | str | Path | None = None
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="iris-client", daemon=True)
+        self._thread.start()
+        cfg = config if isinstance(config, FederationConfig) else load_config(config)
+        if cluster is not None and cluster != cfg.home:
+            raise IrisError(f"this configuration's home cluster is {cfg.home!r}, not {cluster!r}")
+        self._async = self._run(AsyncIrisClient.connect(cfg))
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def aio(self) -> AsyncIrisClient:
+        return self._async
+
+    def submit(self, command: Sequence[str] | None = None, *, script: str | None = None, **kw: Any) -> str:
+        return self._run(self._async.submit(command, script=script, **kw))
+
+    def describe(self, job_id: str) -> JobStatus:
+        return self._run(self._async.describe(job_id))
+
+    def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
+        self._run(self._async.cancel(job_id, reason))
+
+    def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
+        return self._run(self._async.cancel_and_report(job_id, reason))
+
+    def list(self, **kw: Any) -> list[JobSummary]:
+        return self._run(self._async.list(**kw))
+
+    def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
+        return self._run(self._async.wait(job_id, timeout_s=timeout_s))
+
+    def logs(self, job_id: str, offset: int = 0) -> LogChunk:
+        return self._run(self._async.logs(job_id, offset))
+
+    def iter_logs(self, job_id: str) -> Iterator[str]:
+        agen = self._async.follow_logs(job_id)
+
+        async def step() -> str | None:
+            try:
+                return await anext(agen)
+            except StopAsyncIteration:
+                return None
+
+        while (data := self._run(step())) is not None:
+            yield data
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> IrisClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

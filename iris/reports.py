@@ -1,0 +1,44 @@
+"""Gathering the federation's capacity reports from every cluster's controller."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel
+
+from iris.config import FederationConfig
+from iris.controller.client import ControllerClient
+from iris.controller.errors import ControllerError
+from iris.policy.models import PeerReport
+
+
+class FederationView(BaseModel):
+    """The manager's view at one instant: who is home, how old a report may be, and every report."""
+
+    home: str
+    stale_after_ms: int
+    reports: list[PeerReport]
+
+    def report(self, cluster: str) -> PeerReport | None:
+        return next((r for r in self.reports if r.peer_id == cluster), None)
+
+
+async def cluster_report(config: FederationConfig, cluster: str, *, timeout_s: float = 5.0) -> PeerReport:
+    """One cluster's backends; an unreachable controller yields ``reachable=False``, never capacity."""
+    try:
+        async with ControllerClient(config.cluster(cluster).url, timeout=timeout_s) as client:
+            resp = await client.backends()
+    except ControllerError as exc:
+        return PeerReport(peer_id=cluster, reachable=False, error=f"{exc.code}: {exc.message}")
+    return PeerReport(
+        peer_id=cluster, reachable=True, last_contact_ms=int(time.time() * 1000), backends=resp.backends
+    )
+
+
+async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) -> FederationView:
+    """Poll every cluster concurrently."""
+    reports = await asyncio.gather(
+        *(cluster_report(config, c.name, timeout_s=timeout_s) for c in config.clusters)
+    )
+    return FederationView(home=config.home, stale_after_ms=config.stale_after_ms, reports=list(reports))

@@ -1,0 +1,141 @@
+"""`iris dev` as a newcomer runs it: one command up, jobs run, Ctrl-C leaves nothing, state survives."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from stack import VENV_BIN, free_port_config, wait_until
+
+from iris import devstack
+from iris.config import FederationConfig, load_config
+
+
+def _pids_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+class DevStack:
+    def __init__(self, config_file: Path, data_dir: Path) -> None:
+        self.config_file = config_file
+        self.data_dir = data_dir
+        self.proc: asyncio.subprocess.Process | None = None
+        self.output: list[str] = []
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "iris"), "--config", str(self.config_file),
+            "dev", "--data-dir", str(self.data_dir),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(120):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                if not line:
+                    raise AssertionError("iris dev exited during start:\n" + "".join(self.output))
+                self.output.append(line)
+                if line.startswith("Ready."):
+                    return
+
+    async def stop(self) -> int:
+        assert self.proc is not None and self.proc.stdout is not None
+        self.proc.send_signal(signal.SIGINT)
+        rest = await asyncio.wait_for(self.proc.stdout.read(), 60)
+        self.output.append(rest.decode())
+        return await asyncio.wait_for(self.proc.wait(), 30)
+
+    async def iris(self, *args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "iris"), *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "newcomer"},
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+
+def _ports(cfg: FederationConfig) -> list[int]:
+    return [
+        int(cfg.temporal.address.rpartition(":")[2]),
+        cfg.temporal.ui_port,
+        cfg.s3_port,
+        cfg.gcs_port,
+        *(c.port for c in cfg.clusters),
+    ]
+
+
+@pytest.mark.timeout(400)
+async def test_iris_dev_runs_the_stack_stops_cleanly_and_keeps_jobs(tmp_path: Path) -> None:
+    cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
+    config_file = tmp_path / "dev-config.json"
+    config_file.write_text(cfg.model_dump_json())
+    data_dir = tmp_path / "data"
+    dev = DevStack(config_file, data_dir)
+    await dev.start()
+    try:
+        text = "".join(dev.output)
+        assert f"http://127.0.0.1:{cfg.temporal.ui_port}" in text
+        for c in cfg.clusters:
+            assert c.url in text
+        async with httpx.AsyncClient(timeout=10) as http:
+            ui = await http.get(f"http://127.0.0.1:{cfg.temporal.ui_port}/")
+            assert ui.status_code == 200
+
+        code, out, err = await dev.iris("job", "run", "--job-name", "hello", "--", "echo", "hello")
+        assert code == 0, err
+        assert "SUCCEEDED" in err
+        code, out, _ = await dev.iris("job", "logs", "newcomer/hello")
+        assert out.strip() == "hello"
+        code, out, err = await dev.iris(
+            "job", "run", "--job-name", "h100", "--target-cluster", "cw-us-east-02a",
+            "--device-type", "h100", "--gpu-count", "8", "--", "python", "-c", "print(42)",
+        )  # fmt: skip
+        assert code == 0, err
+        code, out, _ = await dev.iris("job", "describe", "newcomer/h100")
+        assert "cw-us-east-02a" in out and "SUCCEEDED" in out
+        code, out, err = await dev.iris("job", "run", "--device-type", "tpu-v9", "--", "true")
+        assert code == 2 and "rejected" in err
+        # A job still running when the stack stops must not outlive it.
+        code, out, err = await dev.iris(
+            "job", "run", "--no-wait", "--job-name", "long", "--", "sleep", "3171"
+        )
+        assert code == 0, err
+
+        async def running() -> bool:
+            return "RUNNING" in (await dev.iris("job", "describe", "newcomer/long"))[1]
+
+        await wait_until(running, timeout=60, what="the long job to run")
+    finally:
+        exit_code = await dev.stop()
+    assert exit_code == 0, "".join(dev.output)
+    assert _pids_mentioning(str(tmp_path)) == []
+    assert _pids_mentioning("sleep 3171") == []
+    for port in _ports(cfg):
+        assert not devstack.port_open("127.0.0.1", port), port
+
+    # Same data directory: the earlier jobs are still there.
+    await dev.start()
+    try:
+        code, out, err = await dev.iris("job", "list")
+        assert code == 0, err
+        assert "newcomer/hello" in out and "newcomer/h100" in out
+        code, out, _ = await dev.iris("job", "logs", "newcomer/hello")
+        assert out.strip() == "hello"
+    finally:
+        assert await dev.stop() == 0
+    assert _pids_mentioning(str(tmp_path)) == []

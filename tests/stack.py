@@ -1,0 +1,149 @@
+"""The real embedded stack for tests: Temporal dev server, emulators, controllers and a worker.
+
+Started once per test session by ``tests/conftest.py``; every service is the real one, on free
+loopback ports, with the demo topology of ``config/clusters.toml``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from iris import devstack
+from iris.client import AsyncIrisClient
+from iris.config import FederationConfig, load_config
+from iris.jobs import SEARCH_ATTRIBUTE_KEYS
+from worker.main import build_worker
+
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port_config(base: FederationConfig, temporal_address: str) -> FederationConfig:
+    """The demo topology on free ports, so tests never collide with a running `iris dev`."""
+    cfg = base.model_copy(deep=True)
+    cfg.temporal.address = temporal_address
+    cfg.temporal.task_queue = "iris-test"
+    cfg.temporal.ui_port = devstack.free_port()
+    cfg.s3_port = devstack.free_port()
+    cfg.gcs_port = devstack.free_port()
+    for c in cfg.clusters:
+        c.port = devstack.free_port()
+        if c.object_store is not None:
+            port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
+            c.object_store.endpoint = f"http://127.0.0.1:{port}"
+    return cfg
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+@dataclass
+class Stack:
+    config: FederationConfig
+    config_file: Path
+    data_dir: Path
+    client: Client
+    iris: AsyncIrisClient
+    services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
+
+    def cli_env(self) -> dict[str, str]:
+        return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}
+
+    async def cli(self, *args: str, timeout: float = 120.0) -> CliResult:
+        """Run `iris ARGS...` as a user would, without blocking the worker sharing this loop."""
+        proc = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "iris"),
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.cli_env(),
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise
+        return CliResult(proc.returncode or 0, out.decode(), err.decode())
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], *, timeout: float = 30.0, interval: float = 0.1, what: str = ""
+) -> None:
+    """Poll ``predicate`` until true; fail the test with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+class StackRunner:
+    """Starts and stops the session's stack."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env: WorkflowEnvironment | None = None
+        self.worker: Worker | None = None
+        self.worker_task: asyncio.Task[None] | None = None
+        self.services: list[devstack.ManagedProcess] = []
+
+    async def start(self) -> Stack:
+        self.env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=str(devstack.venv_bin("temporal")),
+            search_attributes=SEARCH_ATTRIBUTE_KEYS,
+            data_converter=pydantic_data_converter,
+            dev_server_startup_timeout=timedelta(seconds=60),
+        )
+        address = self.env.client.service_client.config.target_host
+        cfg = free_port_config(load_config(), address)
+        config_file = self.root / "clusters.json"
+        config_file.write_text(cfg.model_dump_json(indent=2))
+        os.environ.update(devstack.object_store_env(cfg))
+        services = [
+            devstack.s3_server(cfg, self.root),
+            devstack.gcs_server(cfg, self.root),
+            *(devstack.controller(config_file, cfg, c.name, self.root) for c in cfg.clusters),
+        ]
+        for svc in services:
+            svc.start()
+            self.services.append(svc)
+        for svc in services:
+            await asyncio.to_thread(svc.wait_ready, 60)
+        await asyncio.to_thread(devstack.ensure_buckets, cfg)
+        self.worker = build_worker(self.env.client, cfg)
+        self.worker_task = asyncio.create_task(self.worker.run())
+        return Stack(
+            config=cfg,
+            config_file=config_file,
+            data_dir=self.root,
+            client=self.env.client,
+            iris=AsyncIrisClient(self.env.client, cfg),
+            services={s.name: s for s in services},
+        )
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            await self.worker.shutdown()
+        if self.worker_task is not None:
+            await asyncio.gather(self.worker_task, return_exceptions=True)
+        for svc in reversed(self.services):
+            await asyncio.to_thread(svc.stop)
+        if self.env is not None:
+            await self.env.shutdown()
