@@ -38,6 +38,8 @@ from iris.policy.models import (
     WaitingGroup,
     WaitKind,
 )
+from iris.policy.planner import plan, plan_request
+from iris.policy.reference import plan_reference
 from iris.policy.routing import (
     MAX_COUNT,
     device_request,
@@ -84,6 +86,9 @@ __all__ = [
     "matches",
     "peer_status",
     "pick_backend",
+    "plan",
+    "plan_reference",
+    "plan_request",
     "queued_for_peer_reason",
     "routing_constraints",
     "usable_block",

@@ -1,0 +1,132 @@
+"""Human reasons for jobs the tick leaves queued (shared by the planner and its reference).
+
+Each candidate peer gets one structured verdict; peers with the same verdict are grouped so a
+federation of a hundred mostly-full peers stays a short payload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from iris.policy.models import Band, Constraint, PeerVerdict, WaitingGroup, WaitKind
+from iris.policy.routing import constraint_holds, normalize_attributes
+
+QUEUED_BASE = "Queued for a federation peer to report free capacity"
+
+
+def unreachable_message(error: str | None) -> str:
+    return f"unreachable: {error}" if error else "unreachable"
+
+
+def stale_message(stale_after_ms: int) -> str:
+    return f"stale: no report in the last {stale_after_ms // 1000}s"
+
+
+def unknown_peer_message(peer_id: str) -> str:
+    return f"unknown cluster '{peer_id}'"
+
+
+def cap_message(cap: int) -> str:
+    return f"per-tick cap of {cap} placements reached"
+
+
+def full_message(token: str, needed: int, band: Band, available: int) -> str:
+    return f"full: needs {needed} {token} at band {band.label}, {available} available"
+
+
+def no_shape_message(
+    constraints: Sequence[Constraint], backends_attrs: Sequence[dict[str, list[str]]]
+) -> str:
+    """Name the constraint none of a peer's backends satisfies, else the combination they miss."""
+    if not backends_attrs:
+        return "advertises no backend"
+    attrs = [normalize_attributes(a) for a in backends_attrs]
+    for c in constraints:
+        wanted = frozenset(c.values)
+        if not any(constraint_holds(c.op, wanted, a.get(c.key)) for a in attrs):
+            return f"no backend with {c.describe()}"
+    return "no single backend with " + ", ".join(c.describe() for c in constraints)
+
+
+def _peers(peer_ids: Sequence[str]) -> str:
+    return ", ".join(peer_ids) if len(peer_ids) <= 3 else f"{len(peer_ids)} peers"
+
+
+def summarize(pinned: str | None, verdicts: Sequence[PeerVerdict]) -> str:
+    base = f"Queued for peer {pinned} to report free capacity" if pinned else QUEUED_BASE
+    by_kind: dict[WaitKind, list[PeerVerdict]] = {}
+    for v in verdicts:
+        by_kind.setdefault(v.kind, []).append(v)
+    parts: list[str] = []
+    for kind, vs in by_kind.items():
+        ids = [p for v in vs for p in v.peer_ids]
+        if kind is WaitKind.FULL:
+            first = vs[0]
+            best = max(v.available or 0 for v in vs)
+            parts.append(
+                f"full on {_peers(ids)} (needs {first.needed} {first.token}, at most {best} available)"
+            )
+        elif kind is WaitKind.PER_TICK_CAP:
+            parts.append(f"per-tick cap reached on {_peers(ids)}")
+        elif kind is WaitKind.NO_SHAPE:
+            parts.append(f"no matching backend on {_peers(ids)}")
+        elif kind is WaitKind.UNREACHABLE:
+            parts.append(f"{_peers(ids)} unreachable")
+        elif kind is WaitKind.STALE:
+            parts.append(f"stale report from {_peers(ids)}")
+        else:
+            parts.append(f"unknown cluster {_peers(ids)}")
+    return f"{base}: {'; '.join(parts)}" if parts else base
+
+
+def group_verdicts(
+    per_peer: Iterable[tuple[str, WaitKind, str, str | None, int | None, int | None]],
+) -> list[PeerVerdict]:
+    """Fold ``(peer, kind, message, token, needed, available)`` rows into verdicts, first-seen order."""
+    grouped: dict[tuple[WaitKind, str], PeerVerdict] = {}
+    for peer_id, kind, message, token, needed, available in per_peer:
+        key = (kind, message)
+        verdict = grouped.get(key)
+        if verdict is None:
+            grouped[key] = PeerVerdict.model_construct(
+                kind=kind,
+                peer_ids=[peer_id],
+                message=message,
+                token=token,
+                needed=needed,
+                available=available,
+            )
+        else:
+            verdict.peer_ids.append(peer_id)
+    return list(grouped.values())
+
+
+_GroupKey = tuple[str, tuple[tuple[WaitKind, str, tuple[str, ...]], ...]]
+
+
+def merge_groups(
+    groups: Iterable[tuple[list[tuple[int, str]], str, list[PeerVerdict]]],
+) -> list[WaitingGroup]:
+    """One WaitingGroup per distinct (summary, verdicts); jobs given as (queue position, job id).
+
+    Groups and the jobs inside them come out in queue order, however the caller grouped them.
+    """
+    jobs_of: dict[_GroupKey, list[tuple[int, str]]] = {}
+    content: dict[_GroupKey, tuple[str, list[PeerVerdict]]] = {}
+    for jobs, summary, verdicts in groups:
+        key = (summary, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
+        if key in jobs_of:
+            jobs_of[key].extend(jobs)
+        else:
+            jobs_of[key] = list(jobs)
+            content[key] = (summary, verdicts)
+    out: list[tuple[int, WaitingGroup]] = []
+    for key, jobs in jobs_of.items():
+        jobs.sort()
+        summary, verdicts = content[key]
+        group = WaitingGroup.model_construct(
+            job_ids=[job_id for _, job_id in jobs], summary=summary, verdicts=verdicts
+        )
+        out.append((jobs[0][0], group))
+    out.sort(key=lambda item: item[0])
+    return [group for _, group in out]

@@ -1,0 +1,502 @@
+"""The placement tick (SPEC §5): a pure function of (queue, reports, ledger).
+
+Jobs go in (band, submit time) order; each takes the best (peer, backend) by: verified capacity
+before shape-only, idle before preempting, home before peers, tightest fit, peer id, backend id.
+Capacity taken is charged at once, so one tick never double-books; a job that fits nowhere is
+skipped, not blocking the queue. :mod:`iris.policy.reference` states the same rules in a few loops;
+this module returns exactly what it returns, but fast enough for a 10k-job queue on 100 peers.
+
+Why it is fast: jobs sharing routing constraints and gate token form a class whose matching
+backends are computed once. Per class, peer backends sit in lists sorted by (capacity, peer,
+backend), so "the tightest backend with at least N available" is a bisection; only the one backend
+a placement charges is re-sorted. Most of a large queue fits nowhere, and finding that out costs one
+bisection per job. Why a job waits is computed once per (class, band, need, pin) at the end of the
+tick: capacity only shrinks during a tick, so a reason true at the end was true at the job's turn.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Sequence
+
+from iris.policy.availability import Capacity, PeerStatus, gate, peer_status, replay, usable_block
+from iris.policy.explain import (
+    cap_message,
+    full_message,
+    group_verdicts,
+    merge_groups,
+    no_shape_message,
+    stale_message,
+    summarize,
+    unknown_peer_message,
+    unreachable_message,
+)
+from iris.policy.models import (
+    Band,
+    Constraint,
+    JobShape,
+    Op,
+    PeerReport,
+    PeerVerdict,
+    Placement,
+    PlanRequest,
+    PlanResult,
+    Reservation,
+    WaitKind,
+)
+from iris.policy.reference import peer_order, placement_reason, unique_backends
+from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes
+
+_PRODUCTION = Band.PRODUCTION
+_INTERACTIVE = Band.INTERACTIVE
+_BATCH = Band.BATCH
+
+# (available amount, peer id, backend id, backend index): sorts as the planner ranks backends.
+_Entry = tuple[int, str, str, int]
+_Row = tuple[str, WaitKind, str, str | None, int | None, int | None]
+
+
+class _Backend:
+    __slots__ = ("attrs", "backend_id", "cap", "epoch", "home", "idx", "peer_id", "raw_attrs")
+
+    def __init__(
+        self,
+        idx: int,
+        peer_id: str,
+        backend_id: str,
+        home: bool,
+        raw_attrs: dict[str, list[str]],
+        cap: Capacity | None,
+        epoch: int | None,
+    ) -> None:
+        self.idx = idx
+        self.peer_id = peer_id
+        self.backend_id = backend_id
+        self.home = home
+        self.raw_attrs = raw_attrs
+        self.attrs = normalize_attributes(raw_attrs)
+        self.cap = cap
+        self.epoch = epoch
+
+
+def _levels(cap: Capacity, token: str) -> tuple[int, int, int]:
+    """(idle, available to production, available to interactive) of one token."""
+    free = cap.free.get(token, 0)
+    held = cap.held
+    batch = held[_BATCH].get(token, 0) if _BATCH in held else 0
+    inter = held[_INTERACTIVE].get(token, 0) if _INTERACTIVE in held else 0
+    return free, free + inter + batch, free + batch
+
+
+class _Class:
+    """Jobs with the same routing constraints and gate token, and the backends that fit their shape."""
+
+    __slots__ = (
+        "by_peer",
+        "constraints",
+        "eff",
+        "home_shape",
+        "home_verified",
+        "id",
+        "idle",
+        "members",
+        "order",
+        "order_ptr",
+        "peer_shape",
+        "shape_ptr",
+        "token",
+    )
+
+    def __init__(
+        self, cid: int, constraints: tuple[Constraint, ...], token: str | None, members: list[_Backend]
+    ):
+        self.id = cid
+        self.constraints = constraints
+        self.token = token
+        self.members = members
+        self.by_peer: dict[str, list[_Backend]] = {}
+        for b in members:
+            self.by_peer.setdefault(b.peer_id, []).append(b)
+        self.home_verified = [b for b in members if b.home and b.cap is not None]
+        self.home_shape = [b for b in members if b.home and b.cap is None]
+        self.peer_shape = [b for b in members if not b.home and b.cap is None]
+        self.shape_ptr = 0
+        # Ungated jobs take nothing: a fixed rank order, skipping peers that hit the per-tick cap.
+        self.order = (
+            self.home_verified
+            + [b for b in members if not b.home and b.cap is not None]
+            + self.home_shape
+            + self.peer_shape
+        )
+        self.order_ptr = 0
+        self.idle: list[_Entry] = []
+        self.eff: dict[Band, list[_Entry]] = {_PRODUCTION: [], _INTERACTIVE: []}
+        if token is not None:
+            for b in members:
+                if b.home or b.cap is None:
+                    continue
+                free, prod, inter = _levels(b.cap, token)
+                self.idle.append((free, b.peer_id, b.backend_id, b.idx))
+                self.eff[_PRODUCTION].append((prod, b.peer_id, b.backend_id, b.idx))
+                self.eff[_INTERACTIVE].append((inter, b.peer_id, b.backend_id, b.idx))
+            self.idle.sort()
+            for entries in self.eff.values():
+                entries.sort()
+
+
+def _first_fit(entries: list[_Entry], need: int, capped: set[str]) -> int:
+    """Index of the tightest entry with at least ``need``, dropping peers that hit the cap."""
+    i = bisect_left(entries, (need,))
+    while i < len(entries) and entries[i][1] in capped:
+        del entries[i]  # a capped peer takes nothing more this tick
+    return i
+
+
+def _move(entries: list[_Entry], old: int, new: int, b: _Backend) -> None:
+    if old == new:
+        return
+    stale = (old, b.peer_id, b.backend_id, b.idx)
+    i = bisect_left(entries, stale)
+    if i < len(entries) and entries[i] == stale:
+        del entries[i]
+        insort(entries, (new, b.peer_id, b.backend_id, b.idx))
+
+
+class _Tick:
+    def __init__(
+        self,
+        home: str,
+        reports: Sequence[PeerReport],
+        reservations: Sequence[Reservation],
+        now_ms: int,
+        stale_after_ms: int,
+        max_per_peer: int | None,
+    ) -> None:
+        self.home = home
+        self.max_per_peer = max_per_peer
+        self.stale_after_ms = stale_after_ms
+        self.peers = peer_order(reports, home)
+        self.status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in self.peers}
+        ledger: dict[tuple[str, str, int], list[Reservation]] = {}
+        for r in reservations:
+            ledger.setdefault((r.peer_id, r.backend_id, r.observation_epoch_ms), []).append(r)
+
+        self.backends: list[_Backend] = []
+        self.all_backends: dict[str, list[_Backend]] = {}
+        # (key, value) -> backend indexes: EQ/IN constraints select by set intersection.
+        self.index: dict[tuple[str, str], set[int]] = {}
+        for p in self.peers:
+            if self.status[p.peer_id] is not PeerStatus.OK:
+                continue
+            own: list[_Backend] = []
+            for report in unique_backends(p):
+                block = usable_block(report)
+                cap: Capacity | None = None
+                epoch: int | None = None
+                if block is not None:
+                    cap = Capacity.from_block(block)
+                    epoch = block.observation_epoch_ms
+                    replay(cap, ledger.get((p.peer_id, report.backend_id, epoch), ()))
+                b = _Backend(
+                    len(self.backends),
+                    p.peer_id,
+                    report.backend_id,
+                    p.peer_id == home,
+                    report.advertised_attributes,
+                    cap,
+                    epoch,
+                )
+                self.backends.append(b)
+                own.append(b)
+                for key, values in b.attrs.items():
+                    for v in values:
+                        self.index.setdefault((key, v), set()).add(b.idx)
+            self.all_backends[p.peer_id] = own
+
+        self.classes: list[_Class] = []
+        self.class_by_key: dict[tuple[tuple[Constraint, ...], str | None], _Class] = {}
+        # (backend index, token) -> gated classes listing that (non-home, verified) backend.
+        self.lists_of: dict[tuple[int, str], list[_Class]] = {}
+        self.placed_on: dict[str, int] = {}
+        self.capped: set[str] = set()
+
+    # --- classes ---
+
+    def class_for(self, constraints: tuple[Constraint, ...], token: str | None) -> _Class:
+        key = (constraints, token)
+        cls = self.class_by_key.get(key)
+        if cls is None:
+            cls = _Class(len(self.classes), constraints, token, self._members(constraints))
+            self.classes.append(cls)
+            self.class_by_key[key] = cls
+            if token is not None:
+                for b in cls.members:
+                    if not b.home and b.cap is not None:
+                        self.lists_of.setdefault((b.idx, token), []).append(cls)
+        return cls
+
+    def _members(self, constraints: tuple[Constraint, ...]) -> list[_Backend]:
+        selected: set[int] | None = None
+        residual: list[Constraint] = []
+        for c in constraints:
+            if c.op is Op.EQ or c.op is Op.IN:
+                hit: set[int] = set()
+                for v in c.values:
+                    hit |= self.index.get((c.key, v), set())
+                selected = hit if selected is None else selected & hit
+            else:
+                residual.append(c)
+        pool = self.backends if selected is None else [self.backends[i] for i in sorted(selected)]
+        if residual:
+            conds = [(c.op, frozenset(c.values), c.key) for c in residual]
+            pool = [
+                b for b in pool if all(constraint_holds(op, vals, b.attrs.get(k)) for op, vals, k in conds)
+            ]
+        return pool
+
+    # --- choosing ---
+
+    def pick_gated(self, cls: _Class, need: int, band: Band) -> tuple[_Backend, bool] | None:
+        token = cls.token
+        assert token is not None
+        capped = self.capped
+        home_open = self.home not in capped
+        if home_open and cls.home_verified:
+            best: tuple[int, str, _Backend] | None = None
+            for b in cls.home_verified:
+                assert b.cap is not None
+                free = b.cap.free.get(token, 0)
+                if free >= need and (best is None or (free, b.backend_id) < best[:2]):
+                    best = (free, b.backend_id, b)
+            if best is not None:
+                return best[2], False
+        idle = cls.idle
+        i = _first_fit(idle, need, capped)
+        if i < len(idle):
+            return self.backends[idle[i][3]], False
+        if band != _BATCH:
+            if home_open and cls.home_verified:
+                best = None
+                for b in cls.home_verified:
+                    assert b.cap is not None
+                    avail = b.cap.effective(token, band)
+                    if avail >= need and (best is None or (avail, b.backend_id) < best[:2]):
+                        best = (avail, b.backend_id, b)
+                if best is not None:
+                    return best[2], True
+            eff = cls.eff[band]
+            i = _first_fit(eff, need, capped)
+            if i < len(eff):
+                return self.backends[eff[i][3]], True
+        return self.pick_shape_only(cls)
+
+    def pick_shape_only(self, cls: _Class) -> tuple[_Backend, bool] | None:
+        if cls.home_shape and self.home not in self.capped:
+            return cls.home_shape[0], False
+        shape = cls.peer_shape
+        while cls.shape_ptr < len(shape) and shape[cls.shape_ptr].peer_id in self.capped:
+            cls.shape_ptr += 1
+        if cls.shape_ptr < len(shape):
+            return shape[cls.shape_ptr], False
+        return None
+
+    def pick_ungated(self, cls: _Class) -> tuple[_Backend, bool] | None:
+        order = cls.order
+        while cls.order_ptr < len(order) and order[cls.order_ptr].peer_id in self.capped:
+            cls.order_ptr += 1
+        if cls.order_ptr < len(order):
+            return order[cls.order_ptr], False
+        return None
+
+    def pick_pinned(
+        self, cls: _Class, pin: str, need: int, band: Band
+    ) -> tuple[_Backend | None, bool] | None:
+        """Best backend on the pinned peer; (None, False) force-routes to a peer lacking the shape."""
+        if self.status.get(pin) is not PeerStatus.OK or pin in self.capped:
+            return None
+        members = cls.by_peer.get(pin)
+        if not members:
+            return None, False
+        token = cls.token
+        best: tuple[tuple[int, int, int, str], _Backend, bool] | None = None
+        for b in members:
+            if b.cap is None:
+                rank = (1, 0, 0, b.backend_id)
+                preempts = False
+            elif token is None:
+                rank = (0, 0, 0, b.backend_id)
+                preempts = False
+            else:
+                free = b.cap.free.get(token, 0)
+                if free >= need:
+                    rank = (0, 0, free - need, b.backend_id)
+                    preempts = False
+                else:
+                    avail = b.cap.effective(token, band)
+                    if avail < need:
+                        continue
+                    rank = (0, 1, avail - need, b.backend_id)
+                    preempts = True
+            if best is None or rank < best[0]:
+                best = (rank, b, preempts)
+        return None if best is None else (best[1], best[2])
+
+    def charge(self, peer_id: str, b: _Backend | None, token: str | None, need: int, band: Band) -> None:
+        count = self.placed_on.get(peer_id, 0) + 1
+        self.placed_on[peer_id] = count
+        if self.max_per_peer is not None and count >= self.max_per_peer:
+            self.capped.add(peer_id)
+        if b is None or b.cap is None or token is None:
+            return
+        if b.home:
+            b.cap.spend(token, need, band)
+            return
+        old = _levels(b.cap, token)
+        b.cap.spend(token, need, band)
+        new = _levels(b.cap, token)
+        for cls in self.lists_of.get((b.idx, token), ()):
+            _move(cls.idle, old[0], new[0], b)
+            _move(cls.eff[_PRODUCTION], old[1], new[1], b)
+            _move(cls.eff[_INTERACTIVE], old[2], new[2], b)
+
+    # --- explaining ---
+
+    def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
+        rows: list[_Row] = []
+        if pin:
+            candidates = [p for p in self.peers if p.peer_id == pin]
+            if not candidates:
+                rows.append((pin, WaitKind.UNKNOWN_PEER, unknown_peer_message(pin), None, None, None))
+        else:
+            candidates = self.peers
+        for p in candidates:
+            pid = p.peer_id
+            st = self.status[pid]
+            if st is PeerStatus.UNREACHABLE:
+                rows.append((pid, WaitKind.UNREACHABLE, unreachable_message(p.error), None, None, None))
+                continue
+            if st is PeerStatus.STALE:
+                rows.append((pid, WaitKind.STALE, stale_message(self.stale_after_ms), None, None, None))
+                continue
+            members = cls.by_peer.get(pid)
+            if not members:
+                attrs = [b.raw_attrs for b in self.all_backends.get(pid, [])]
+                rows.append(
+                    (pid, WaitKind.NO_SHAPE, no_shape_message(cls.constraints, attrs), None, None, None)
+                )
+                continue
+            if pid in self.capped:
+                assert self.max_per_peer is not None
+                rows.append((pid, WaitKind.PER_TICK_CAP, cap_message(self.max_per_peer), None, None, None))
+                continue
+            token = cls.token
+            assert token is not None  # anything ungated or shape-only would have been placed
+            available = max(b.cap.effective(token, band) for b in members if b.cap is not None)
+            rows.append(
+                (pid, WaitKind.FULL, full_message(token, need, band, available), token, need, available)
+            )
+        return group_verdicts(rows)
+
+
+def plan(
+    jobs: Sequence[JobShape],
+    *,
+    home: str,
+    reports: Sequence[PeerReport],
+    reservations: Sequence[Reservation] = (),
+    now_ms: int,
+    stale_after_ms: int,
+    max_per_peer: int | None = None,
+) -> PlanResult:
+    """Decide this tick's placements; see the module docstring for the rules.
+
+    ``reports`` has one entry per cluster, home included; ``reservations`` is the ledger (entries
+    for older observations are ignored). A pinned job is only placed on its peer, force-routed
+    there (``backend_id == ""``, nothing reserved) when that peer advertises no backend of its
+    shape. Jobs whose ``deadline_ms`` has been reached are returned in ``expired``, never placed.
+    A job id listed twice keeps its first entry.
+    """
+    tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer)
+
+    seen: set[str] = set()
+    queue: list[tuple[int, int, str, JobShape]] = []
+    for job in jobs:
+        if job.job_id in seen:
+            continue
+        seen.add(job.job_id)
+        queue.append((job.band, job.submit_ms, job.job_id, job))
+    queue.sort(key=lambda item: item[:3])
+
+    placements: list[Placement] = []
+    expired: list[str] = []
+    waiting: dict[tuple[int, Band, int, str | None], list[tuple[int, str]]] = {}
+    shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], _Class] = {}
+    for position, (_, _, job_id, job) in enumerate(queue):
+        deadline = job.deadline_ms
+        if deadline is not None and now_ms >= deadline:
+            expired.append(job_id)
+            continue
+        device = job.device
+        need = device.count * device.replicas
+        gated = need > 0
+        shape_key = (job.constraints, device.type, device.variant, gated)
+        cls = shape_cache.get(shape_key)
+        if cls is None:
+            job_gate = gate(device)
+            cls = tick.class_for(job_constraints(job), job_gate[0] if job_gate else None)
+            shape_cache[shape_key] = cls
+        band = job.band
+        pin = job.target_cluster or None
+
+        choice: tuple[_Backend | None, bool] | None
+        if pin:
+            choice = tick.pick_pinned(cls, pin, need, band)
+        elif cls.token is None:
+            choice = tick.pick_ungated(cls)
+        else:
+            choice = tick.pick_gated(cls, need, band)
+        if choice is None:
+            waiting.setdefault((cls.id, band, need, pin), []).append((position, job_id))
+            continue
+
+        b, preempts = choice
+        peer_id = pin if b is None else b.peer_id
+        assert peer_id is not None
+        tick.charge(peer_id, b, cls.token, need, band)
+        verified = b is not None and b.cap is not None
+        reserved = {cls.token: need} if verified and cls.token is not None else {}
+        shape_rank = 2 if b is None else (0 if verified else 1)
+        backend_id = "" if b is None else b.backend_id
+        placements.append(
+            Placement.model_construct(
+                job_id=job_id,
+                peer_id=peer_id,
+                backend_id=backend_id,
+                band=band,
+                observation_epoch_ms=b.epoch if b is not None else None,
+                reserved=reserved,
+                verified=verified,
+                preempts=preempts,
+                forced=b is None,
+                reason=placement_reason(peer_id, backend_id, home, shape_rank, preempts),
+            )
+        )
+
+    groups = []
+    for (cid, band, need, pin), members in waiting.items():
+        verdicts = tick.verdicts(tick.classes[cid], band, need, pin)
+        groups.append((members, summarize(pin, verdicts), verdicts))
+    return PlanResult.model_construct(placements=placements, expired=expired, waiting=merge_groups(groups))
+
+
+def plan_request(request: PlanRequest) -> PlanResult:
+    """:func:`plan` over a :class:`PlanRequest` payload."""
+    return plan(
+        request.jobs,
+        home=request.home,
+        reports=request.reports,
+        reservations=request.reservations,
+        now_ms=request.now_ms,
+        stale_after_ms=request.stale_after_ms,
+        max_per_peer=request.max_per_peer,
+    )

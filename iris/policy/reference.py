@@ -1,0 +1,257 @@
+"""A deliberately simple tick planner: the executable specification of SPEC §5.
+
+For every job it scores every backend of every peer. Too slow for a large queue, but easy to read;
+the property tests require :func:`iris.policy.planner.plan` to return exactly what this returns,
+and the benchmark times both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from iris.policy.availability import Capacity, PeerStatus, gate, peer_status, working_capacity
+from iris.policy.explain import (
+    cap_message,
+    full_message,
+    group_verdicts,
+    merge_groups,
+    no_shape_message,
+    stale_message,
+    summarize,
+    unknown_peer_message,
+    unreachable_message,
+)
+from iris.policy.models import (
+    BackendReport,
+    Band,
+    Constraint,
+    JobShape,
+    PeerReport,
+    PeerVerdict,
+    Placement,
+    PlanResult,
+    Reservation,
+    WaitKind,
+)
+from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes
+
+
+def _matches(constraints: Sequence[Constraint], attrs: dict[str, frozenset[str]]) -> bool:
+    return all(constraint_holds(c.op, frozenset(c.values), attrs.get(c.key)) for c in constraints)
+
+
+# Rank of one option, smallest best: (shape-only, preempts, not home, remaining, peer, backend).
+_Rank = tuple[int, int, int, int, str, str]
+
+
+def queue_order(jobs: Sequence[JobShape]) -> list[JobShape]:
+    """Band, then submit time, then job id; a duplicated job id keeps its first entry."""
+    seen: set[str] = set()
+    unique: list[JobShape] = []
+    for job in jobs:
+        if job.job_id not in seen:
+            seen.add(job.job_id)
+            unique.append(job)
+    return sorted(unique, key=lambda j: (j.band, j.submit_ms, j.job_id))
+
+
+def peer_order(reports: Sequence[PeerReport], home: str) -> list[PeerReport]:
+    """Home first, then by peer id; a duplicated peer id keeps its first report."""
+    first: dict[str, PeerReport] = {}
+    for r in reports:
+        first.setdefault(r.peer_id, r)
+    return sorted(first.values(), key=lambda r: (r.peer_id != home, r.peer_id))
+
+
+def unique_backends(report: PeerReport) -> list[BackendReport]:
+    """A report's backends with a duplicated backend id keeping its first entry."""
+    seen: set[str] = set()
+    out: list[BackendReport] = []
+    for b in report.backends:
+        if b.backend_id not in seen:
+            seen.add(b.backend_id)
+            out.append(b)
+    return out
+
+
+def is_expired(job: JobShape, now_ms: int) -> bool:
+    return job.deadline_ms is not None and now_ms >= job.deadline_ms
+
+
+def plan_reference(
+    jobs: Sequence[JobShape],
+    *,
+    home: str,
+    reports: Sequence[PeerReport],
+    reservations: Sequence[Reservation] = (),
+    now_ms: int,
+    stale_after_ms: int,
+    max_per_peer: int | None = None,
+) -> PlanResult:
+    peers = peer_order(reports, home)
+    status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in peers}
+    capacity: dict[tuple[str, str], Capacity | None] = {}
+    attrs: dict[tuple[str, str], dict[str, frozenset[str]]] = {}
+    for p in peers:
+        for b in unique_backends(p):
+            capacity[(p.peer_id, b.backend_id)] = working_capacity(p.peer_id, b, reservations)
+            attrs[(p.peer_id, b.backend_id)] = normalize_attributes(b.advertised_attributes)
+    placed_on: dict[str, int] = {}
+
+    placements: list[Placement] = []
+    expired: list[str] = []
+    waiting: list[tuple[int, JobShape]] = []
+    for position, job in enumerate(queue_order(jobs)):
+        if is_expired(job, now_ms):
+            expired.append(job.job_id)
+            continue
+        constraints = job_constraints(job)
+        need = gate(job.device)
+        best: _Rank | None = None
+        for p in peers:
+            if status[p.peer_id] is not PeerStatus.OK:
+                continue
+            if job.target_cluster and job.target_cluster != p.peer_id:
+                continue
+            if max_per_peer is not None and placed_on.get(p.peer_id, 0) >= max_per_peer:
+                continue
+            not_home = int(p.peer_id != home)
+            shape_matched = False
+            for b in unique_backends(p):
+                if not _matches(constraints, attrs[(p.peer_id, b.backend_id)]):
+                    continue
+                shape_matched = True
+                cap = capacity[(p.peer_id, b.backend_id)]
+                rank: _Rank
+                if cap is None:
+                    rank = (1, 0, not_home, 0, p.peer_id, b.backend_id)
+                elif need is None:
+                    rank = (0, 0, not_home, 0, p.peer_id, b.backend_id)
+                else:
+                    token, amount = need
+                    if cap.idle(token) >= amount:
+                        rank = (0, 0, not_home, cap.idle(token) - amount, p.peer_id, b.backend_id)
+                    elif cap.effective(token, job.band) >= amount:
+                        rank = (
+                            0,
+                            1,
+                            not_home,
+                            cap.effective(token, job.band) - amount,
+                            p.peer_id,
+                            b.backend_id,
+                        )
+                    else:
+                        continue
+                if best is None or rank < best:
+                    best = rank
+            if not shape_matched and job.target_cluster == p.peer_id:
+                # Force-route: the pin wins over what the peer advertises; nothing is reserved.
+                best = (2, 0, not_home, 0, p.peer_id, "")
+        if best is None:
+            waiting.append((position, job))
+            continue
+        shape_only, preempts, _, _, peer_id, backend_id = best
+        placed_on[peer_id] = placed_on.get(peer_id, 0) + 1
+        cap = capacity.get((peer_id, backend_id)) if backend_id else None
+        reserved: dict[str, int] = {}
+        epoch: int | None = None
+        if cap is not None:
+            block = next(b for b in _peer(peers, peer_id).backends if b.backend_id == backend_id).availability
+            epoch = block.observation_epoch_ms if block is not None else None
+            if need is not None:
+                cap.spend(need[0], need[1], job.band)
+                reserved = {need[0]: need[1]}
+        placements.append(
+            Placement(
+                job_id=job.job_id,
+                peer_id=peer_id,
+                backend_id=backend_id,
+                band=job.band,
+                observation_epoch_ms=epoch,
+                reserved=reserved,
+                verified=shape_only == 0,
+                preempts=bool(preempts),
+                forced=backend_id == "",
+                reason=placement_reason(peer_id, backend_id, home, shape_only, bool(preempts)),
+            )
+        )
+
+    groups = []
+    for position, job in waiting:
+        verdicts = _verdicts(job, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms)
+        groups.append(([(position, job.job_id)], summarize(job.target_cluster, verdicts), verdicts))
+    return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups))
+
+
+def placement_reason(peer_id: str, backend_id: str, home: str, shape_only: int, preempts: bool) -> str:
+    where = "the home cluster" if peer_id == home else f"peer {peer_id}"
+    if shape_only == 2:
+        return f"Pinned to {where}, which advertises no backend of this shape: force-routed"
+    if shape_only == 1:
+        return f"Placed on {where} backend {backend_id} by shape (it reports no capacity)"
+    if preempts:
+        return f"Placed on {where} backend {backend_id} by reclaiming lower-priority work"
+    return f"Placed on {where} backend {backend_id} with free capacity"
+
+
+def _peer(peers: Sequence[PeerReport], peer_id: str) -> PeerReport:
+    return next(p for p in peers if p.peer_id == peer_id)
+
+
+def _verdicts(
+    job: JobShape,
+    peers: Sequence[PeerReport],
+    status: dict[str, PeerStatus],
+    capacity: dict[tuple[str, str], Capacity | None],
+    attrs: dict[tuple[str, str], dict[str, frozenset[str]]],
+    placed_on: dict[str, int],
+    max_per_peer: int | None,
+    stale_after_ms: int,
+) -> list[PeerVerdict]:
+    """Why no peer took ``job``, read off the end-of-tick state (capacity only shrinks in a tick)."""
+    constraints = job_constraints(job)
+    need = gate(job.device)
+    rows: list[tuple[str, WaitKind, str, str | None, int | None, int | None]] = []
+    candidates = [p for p in peers if not job.target_cluster or p.peer_id == job.target_cluster]
+    if job.target_cluster and not candidates:
+        rows.append(
+            (
+                job.target_cluster,
+                WaitKind.UNKNOWN_PEER,
+                unknown_peer_message(job.target_cluster),
+                None,
+                None,
+                None,
+            )
+        )
+    for p in candidates:
+        st = status[p.peer_id]
+        if st is PeerStatus.UNREACHABLE:
+            rows.append((p.peer_id, WaitKind.UNREACHABLE, unreachable_message(p.error), None, None, None))
+            continue
+        if st is PeerStatus.STALE:
+            rows.append((p.peer_id, WaitKind.STALE, stale_message(stale_after_ms), None, None, None))
+            continue
+        unique = unique_backends(p)
+        matching = [b for b in unique if _matches(constraints, attrs[(p.peer_id, b.backend_id)])]
+        if not matching:
+            advertised = [b.advertised_attributes for b in unique]
+            message = no_shape_message(constraints, advertised)
+            rows.append((p.peer_id, WaitKind.NO_SHAPE, message, None, None, None))
+            continue
+        if max_per_peer is not None and placed_on.get(p.peer_id, 0) >= max_per_peer:
+            rows.append((p.peer_id, WaitKind.PER_TICK_CAP, cap_message(max_per_peer), None, None, None))
+            continue
+        # Only verified, gated backends can be left full (anything else always fits).
+        assert need is not None
+        token, amount = need
+        band: Band = job.band
+        available = max(
+            c.effective(token, band)
+            for b in matching
+            if (c := capacity[(p.peer_id, b.backend_id)]) is not None
+        )
+        rows.append(
+            (p.peer_id, WaitKind.FULL, full_message(token, amount, band, available), token, amount, available)
+        )
+    return group_verdicts(rows)
