@@ -50,7 +50,7 @@ def dev_command(
         Path, typer.Option("--data-dir", help="Where the stack keeps its state (jobs survive restarts).")
     ] = DEFAULT_DATA_DIR,
 ) -> None:
-    """Start the embedded stack: Temporal + Web UI, S3 and GCS emulators, every cluster controller, the worker."""
+    """Start the embedded stack: Temporal + UI, S3 and GCS emulators, every controller, the worker."""
     cfg = common.config()
     cfg_file = config_path(common.STATE.config_file).resolve()
     busy = [f"{name} ({h}:{p})" for name, h, p in _ports(cfg) if devstack.port_open(h, p)]
