@@ -10,6 +10,7 @@ replays a token id.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -17,6 +18,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from iris.config import FederationConfig
 from iris.controller.errors import ControllerError, Unavailable, error_for
 from iris.controller.identity import TokenSigner
 from iris.controller.models import (
@@ -50,6 +52,28 @@ class ControllerClient:
         self.timeout = timeout
         self._signer = signer
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    @classmethod
+    def for_cluster(
+        cls,
+        config: FederationConfig,
+        cluster: str,
+        *,
+        as_cluster: str | None = None,
+        key_dir: Path | None = None,
+        timeout: float = 10.0,
+    ) -> ControllerClient:
+        """A client of ``cluster``'s controller that signs as ``as_cluster`` (default: the home).
+
+        Requests are signed when ``cluster`` has auth configured; the signing key is read as the
+        config says, relative paths against ``key_dir`` (default ``$IRIS_KEY_DIR``). Raises KeyError
+        for an unknown cluster and ConfigError for an unreadable key.
+        """
+        target = config.cluster(cluster)
+        signer = None
+        if target.auth is not None:
+            signer = TokenSigner.from_config(config, as_cluster or config.home, key_dir)
+        return cls(target.url, timeout=timeout, signer=signer)
 
     async def __aenter__(self) -> ControllerClient:
         return self
