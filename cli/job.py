@@ -112,9 +112,14 @@ def run_command(
         if no_wait:
             return common.EXIT_OK
 
+        printed = 0
+
         def show(st: JobStatus) -> None:
-            where = f" [{st.cluster}]" if st.cluster else ""
-            typer.echo(f"{_clock(st.updated_ms)} {st.state.value:<16}{where} {st.reason}", err=True)
+            # Every event since the last poll, so fast jobs still tell their whole story.
+            nonlocal printed
+            for ev in st.events[printed:]:
+                typer.echo(f"{_clock(ev.at_ms)} {ev.state.value:<16} {ev.message}", err=True)
+            printed = len(st.events)
 
         try:
             final = await client.wait(job_id, on_change=show)
