@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from iris.config import ClusterConfig, FederationConfig
 from iris.controller.errors import ControllerError, NotFound, PermissionDenied
 from iris.controller.executor import MAX_LOG_CHUNK, Executor
-from iris.controller.identity import LOCAL_ADMIN, Admission, Caller
+from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, default_key_dir
 from iris.controller.models import (
     BackendsResponse,
     ErrorBody,
@@ -87,12 +87,13 @@ def create_app(
 ) -> FastAPI:
     """Build the controller app of ``cluster_name``; state lives under ``state_dir``.
 
-    ``key_dir`` resolves relative key paths of the auth config (default: the state dir's parent).
+    ``key_dir`` resolves relative key paths of the auth config (default: ``$IRIS_KEY_DIR``, else the
+    state dir's parent).
     Raises KeyError for an unknown cluster and ConfigError for unusable auth settings.
     """
     cluster: ClusterConfig = config.cluster(cluster_name)
     state_dir = Path(state_dir)
-    admission = Admission.from_config(config, cluster, key_dir or state_dir.parent)
+    admission = Admission.from_config(config, cluster, key_dir or default_key_dir(state_dir.resolve().parent))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -12,6 +12,7 @@ the config names, which is how ``iris dev`` bootstraps the demo without a manual
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 import uuid
@@ -89,7 +90,16 @@ def ensure_cluster_keys(config: FederationConfig, key_dir: Path) -> list[str]:
     is left alone (that is an operator's mistake to fix, not to paper over); keys named by env
     variables are never generated.
     """
-    created = []
+    created: list[str] = []
+    key_dir.mkdir(parents=True, exist_ok=True)
+    # Serialize concurrent bootstraps so nobody reads a half-written pair.
+    with (key_dir / ".keygen.lock").open("a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        _ensure_locked(config, key_dir, created)
+    return created
+
+
+def _ensure_locked(config: FederationConfig, key_dir: Path, created: list[str]) -> None:
     for cluster in config.clusters:
         auth = cluster.auth
         if auth is None or not auth.private_key_file or not auth.public_key_file:
@@ -98,12 +108,8 @@ def ensure_cluster_keys(config: FederationConfig, key_dir: Path) -> list[str]:
         public_path = _resolve(auth.public_key_file, key_dir)
         if private_path.exists() or public_path.exists():
             continue
-        try:
-            write_keypair(private_path, public_path)
-        except FileExistsError:
-            continue  # another process created it first
+        write_keypair(private_path, public_path)
         created.append(cluster.name)
-    return created
 
 
 def _read_source(kind: str, cluster: str, file: str, env: str, key_dir: Path) -> bytes:
