@@ -6,10 +6,10 @@ federation of a hundred mostly-full peers stays a short payload.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from iris.policy.models import Band, Constraint, PeerVerdict, WaitingGroup, WaitKind
-from iris.policy.routing import constraint_holds, normalize_attributes
+from iris.policy.routing import constraint_holds
 
 QUEUED_BASE = "Queued for a federation peer to report free capacity"
 
@@ -35,15 +35,17 @@ def full_message(token: str, needed: int, band: Band, available: int) -> str:
 
 
 def no_shape_message(
-    constraints: Sequence[Constraint], backends_attrs: Sequence[dict[str, list[str]]]
+    constraints: Sequence[Constraint], backends_attrs: Sequence[Mapping[str, frozenset[str]]]
 ) -> str:
-    """Name the constraint none of a peer's backends satisfies, else the combination they miss."""
+    """Name the constraint none of a peer's backends satisfies, else the combination they miss.
+
+    ``backends_attrs`` are normalized attributes (:func:`iris.policy.routing.normalize_attributes`).
+    """
     if not backends_attrs:
         return "advertises no backend"
-    attrs = [normalize_attributes(a) for a in backends_attrs]
     for c in constraints:
         wanted = frozenset(c.values)
-        if not any(constraint_holds(c.op, wanted, a.get(c.key)) for a in attrs):
+        if not any(constraint_holds(c.op, wanted, a.get(c.key)) for a in backends_attrs):
             return f"no backend with {c.describe()}"
     return "no single backend with " + ", ".join(c.describe() for c in constraints)
 
@@ -88,7 +90,7 @@ def group_verdicts(
         key = (kind, message)
         verdict = grouped.get(key)
         if verdict is None:
-            grouped[key] = PeerVerdict.model_construct(
+            grouped[key] = PeerVerdict(
                 kind=kind,
                 peer_ids=[peer_id],
                 message=message,
@@ -124,9 +126,7 @@ def merge_groups(
     for key, jobs in jobs_of.items():
         jobs.sort()
         summary, verdicts = content[key]
-        group = WaitingGroup.model_construct(
-            job_ids=[job_id for _, job_id in jobs], summary=summary, verdicts=verdicts
-        )
+        group = WaitingGroup(job_ids=[job_id for _, job_id in jobs], summary=summary, verdicts=verdicts)
         out.append((jobs[0][0], group))
     out.sort(key=lambda item: item[0])
     return [group for _, group in out]

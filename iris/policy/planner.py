@@ -23,9 +23,6 @@ from iris.policy.availability import Capacity, PeerStatus, gate, peer_status, re
 from iris.policy.explain import (
     cap_message,
     full_message,
-    group_verdicts,
-    merge_groups,
-    no_shape_message,
     stale_message,
     summarize,
     unknown_peer_message,
@@ -42,6 +39,7 @@ from iris.policy.models import (
     PlanRequest,
     PlanResult,
     Reservation,
+    WaitingGroup,
     WaitKind,
 )
 from iris.policy.reference import peer_order, placement_reason, unique_backends
@@ -52,12 +50,13 @@ _INTERACTIVE = Band.INTERACTIVE
 _BATCH = Band.BATCH
 
 # (available amount, peer id, backend id, backend index): sorts as the planner ranks backends.
+_NEVER = float("inf")
 _Entry = tuple[int, str, str, int]
 _Row = tuple[str, WaitKind, str, str | None, int | None, int | None]
 
 
 class _Backend:
-    __slots__ = ("attrs", "backend_id", "cap", "epoch", "home", "idx", "peer_id", "raw_attrs")
+    __slots__ = ("attrs", "backend_id", "cap", "epoch", "home", "idx", "peer_id")
 
     def __init__(
         self,
@@ -65,7 +64,7 @@ class _Backend:
         peer_id: str,
         backend_id: str,
         home: bool,
-        raw_attrs: dict[str, list[str]],
+        attrs: dict[str, list[str]],
         cap: Capacity | None,
         epoch: int | None,
     ) -> None:
@@ -73,8 +72,7 @@ class _Backend:
         self.peer_id = peer_id
         self.backend_id = backend_id
         self.home = home
-        self.raw_attrs = raw_attrs
-        self.attrs = normalize_attributes(raw_attrs)
+        self.attrs = normalize_attributes(attrs)
         self.cap = cap
         self.epoch = epoch
 
@@ -95,6 +93,7 @@ class _Class:
         "by_peer",
         "constraints",
         "eff",
+        "fails_from",
         "home_shape",
         "home_verified",
         "id",
@@ -129,6 +128,8 @@ class _Class:
             + self.peer_shape
         )
         self.order_ptr = 0
+        # Per band, the smallest need that found no backend this tick (capacity only shrinks).
+        self.fails_from: list[int | float] = [_NEVER] * (max(Band) + 1)
         self.idle: list[_Entry] = []
         self.eff: dict[Band, list[_Entry]] = {_PRODUCTION: [], _INTERACTIVE: []}
         if token is not None:
@@ -219,6 +220,13 @@ class _Tick:
         self.lists_of: dict[tuple[int, str], list[_Class]] = {}
         self.placed_on: dict[str, int] = {}
         self.capped: set[str] = set()
+        self.no_shape_cache: dict[tuple[int, str], str] = {}
+        self.satisfying_cache: dict[int, list[set[int]]] = {}
+        self.peer_indexes = {pid: frozenset(b.idx for b in own) for pid, own in self.all_backends.items()}
+        self.explanation_cache: dict[
+            tuple[int, Band, str | None, int], tuple[object, str, list[PeerVerdict]]
+        ] = {}
+        self.keys_cache: dict[tuple[int, Band, str | None], list[tuple[WaitKind, str | int, list[str]]]] = {}
 
     # --- classes ---
 
@@ -361,41 +369,123 @@ class _Tick:
 
     # --- explaining ---
 
-    def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
-        rows: list[_Row] = []
+    def no_shape(self, cls: _Class, peer_id: str) -> str:
+        """What a peer with no backend of the class's shape lacks (as explain.no_shape_message)."""
+        key = (cls.id, peer_id)
+        message = self.no_shape_cache.get(key)
+        if message is None:
+            own = self.peer_indexes.get(peer_id, frozenset())
+            if not own:
+                message = "advertises no backend"
+            else:
+                satisfied = self.satisfying(cls)
+                missing = next((i for i, sat in enumerate(satisfied) if sat.isdisjoint(own)), None)
+                if missing is not None:
+                    message = f"no backend with {cls.constraints[missing].describe()}"
+                else:
+                    message = "no single backend with " + ", ".join(c.describe() for c in cls.constraints)
+            self.no_shape_cache[key] = message
+        return message
+
+    def satisfying(self, cls: _Class) -> list[set[int]]:
+        """Per constraint of the class, the indexes of the backends satisfying it."""
+        cached = self.satisfying_cache.get(cls.id)
+        if cached is None:
+            cached = []
+            for c in cls.constraints:
+                if c.op is Op.EQ or c.op is Op.IN:
+                    hit: set[int] = set()
+                    for v in c.values:
+                        hit |= self.index.get((c.key, v), set())
+                else:
+                    wanted = frozenset(c.values)
+                    hit = {b.idx for b in self.backends if constraint_holds(c.op, wanted, b.attrs.get(c.key))}
+                cached.append(hit)
+            self.satisfying_cache[cls.id] = cached
+        return cached
+
+    def verdict_keys(
+        self, cls: _Class, band: Band, pin: str | None
+    ) -> list[tuple[WaitKind, str | int, list[str]]]:
+        """Peers grouped by reason, first-seen order; a FULL reason is keyed by what is available."""
+        cache_key = (cls.id, band, pin)
+        cached = self.keys_cache.get(cache_key)
+        if cached is not None:
+            return cached
+        grouped: dict[tuple[WaitKind, str | int], list[str]] = {}
         if pin:
             candidates = [p for p in self.peers if p.peer_id == pin]
             if not candidates:
-                rows.append((pin, WaitKind.UNKNOWN_PEER, unknown_peer_message(pin), None, None, None))
+                grouped[(WaitKind.UNKNOWN_PEER, unknown_peer_message(pin))] = [pin]
         else:
             candidates = self.peers
         for p in candidates:
             pid = p.peer_id
             st = self.status[pid]
+            key: tuple[WaitKind, str | int]
             if st is PeerStatus.UNREACHABLE:
-                rows.append((pid, WaitKind.UNREACHABLE, unreachable_message(p.error), None, None, None))
-                continue
-            if st is PeerStatus.STALE:
-                rows.append((pid, WaitKind.STALE, stale_message(self.stale_after_ms), None, None, None))
-                continue
-            members = cls.by_peer.get(pid)
-            if not members:
-                attrs = [b.raw_attrs for b in self.all_backends.get(pid, [])]
-                rows.append(
-                    (pid, WaitKind.NO_SHAPE, no_shape_message(cls.constraints, attrs), None, None, None)
-                )
-                continue
-            if pid in self.capped:
+                key = (WaitKind.UNREACHABLE, unreachable_message(p.error))
+            elif st is PeerStatus.STALE:
+                key = (WaitKind.STALE, stale_message(self.stale_after_ms))
+            elif not (members := cls.by_peer.get(pid)):
+                key = (WaitKind.NO_SHAPE, self.no_shape(cls, pid))
+            elif pid in self.capped:
                 assert self.max_per_peer is not None
-                rows.append((pid, WaitKind.PER_TICK_CAP, cap_message(self.max_per_peer), None, None, None))
-                continue
-            token = cls.token
-            assert token is not None  # anything ungated or shape-only would have been placed
-            available = max(b.cap.effective(token, band) for b in members if b.cap is not None)
-            rows.append(
-                (pid, WaitKind.FULL, full_message(token, need, band, available), token, need, available)
-            )
-        return group_verdicts(rows)
+                key = (WaitKind.PER_TICK_CAP, cap_message(self.max_per_peer))
+            else:
+                token = cls.token
+                assert token is not None  # anything ungated or shape-only would have been placed
+                key = (WaitKind.FULL, max(b.cap.effective(token, band) for b in members if b.cap is not None))
+            grouped.setdefault(key, []).append(pid)
+        keys = [(kind, detail, peers) for (kind, detail), peers in grouped.items()]
+        self.keys_cache[cache_key] = keys
+        return keys
+
+    def explanation(
+        self, cls: _Class, band: Band, need: int, pin: str | None
+    ) -> tuple[object, str, list[PeerVerdict]]:
+        """(merge key, summary, verdicts) for jobs left waiting; shared across needs when none is FULL."""
+        keys = self.verdict_keys(cls, band, pin)
+        needs_matter = any(kind is WaitKind.FULL for kind, _, _ in keys)
+        cache_key = (cls.id, band, pin, need if needs_matter else -1)
+        cached = self.explanation_cache.get(cache_key)
+        if cached is None:
+            verdicts = self.verdicts(cls, band, need, pin)
+            summary = summarize(pin, verdicts)
+            merge_key = (summary, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
+            cached = (merge_key, summary, verdicts)
+            self.explanation_cache[cache_key] = cached
+        return cached
+
+    def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
+        out: list[PeerVerdict] = []
+        for kind, detail, peers in self.verdict_keys(cls, band, pin):
+            if isinstance(detail, int):
+                token = cls.token
+                assert token is not None
+                message = full_message(token, need, band, detail)
+                out.append(
+                    PeerVerdict(
+                        kind=kind,
+                        peer_ids=list(peers),
+                        message=message,
+                        token=token,
+                        needed=need,
+                        available=detail,
+                    )
+                )
+            else:
+                out.append(
+                    PeerVerdict(
+                        kind=kind,
+                        peer_ids=list(peers),
+                        message=detail,
+                        token=None,
+                        needed=None,
+                        available=None,
+                    )
+                )
+        return out
 
 
 def plan(
@@ -419,27 +509,31 @@ def plan(
     tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer)
 
     seen: set[str] = set()
-    queue: list[tuple[int, int, str, JobShape]] = []
+    unique: list[JobShape] = []
+    order: list[tuple[int, int, str, int]] = []
     for job in jobs:
-        if job.job_id in seen:
+        job_id = job.job_id
+        if job_id in seen:
             continue
-        seen.add(job.job_id)
-        queue.append((job.band, job.submit_ms, job.job_id, job))
-    queue.sort(key=lambda item: item[:3])
+        seen.add(job_id)
+        # Job ids are unique here, so the index never takes part in the ordering.
+        order.append((job.band, job.submit_ms, job_id, len(unique)))
+        unique.append(job)
+    order.sort()
 
     placements: list[Placement] = []
     expired: list[str] = []
     waiting: dict[tuple[int, Band, int, str | None], list[tuple[int, str]]] = {}
     shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], _Class] = {}
-    for position, (_, _, job_id, job) in enumerate(queue):
+    for position, (_, _, job_id, index) in enumerate(order):
+        job = unique[index]
         deadline = job.deadline_ms
         if deadline is not None and now_ms >= deadline:
             expired.append(job_id)
             continue
         device = job.device
         need = device.count * device.replicas
-        gated = need > 0
-        shape_key = (job.constraints, device.type, device.variant, gated)
+        shape_key = (job.constraints, device.type, device.variant, need > 0)
         cls = shape_cache.get(shape_key)
         if cls is None:
             job_gate = gate(device)
@@ -451,10 +545,14 @@ def plan(
         choice: tuple[_Backend | None, bool] | None
         if pin:
             choice = tick.pick_pinned(cls, pin, need, band)
-        elif cls.token is None:
-            choice = tick.pick_ungated(cls)
+        elif need >= cls.fails_from[band]:
+            # Capacity only shrinks within a tick: a need that failed for this class and band
+            # fails again, as does any larger one.
+            choice = None
         else:
-            choice = tick.pick_gated(cls, need, band)
+            choice = tick.pick_gated(cls, need, band) if cls.token is not None else tick.pick_ungated(cls)
+            if choice is None:
+                cls.fails_from[band] = need if cls.token is not None else 0
         if choice is None:
             waiting.setdefault((cls.id, band, need, pin), []).append((position, job_id))
             continue
@@ -468,7 +566,7 @@ def plan(
         shape_rank = 2 if b is None else (0 if verified else 1)
         backend_id = "" if b is None else b.backend_id
         placements.append(
-            Placement.model_construct(
+            Placement(
                 job_id=job_id,
                 peer_id=peer_id,
                 backend_id=backend_id,
@@ -482,11 +580,23 @@ def plan(
             )
         )
 
-    groups = []
+    # Identical explanations merge into one group, whatever class, band or need produced them.
+    merged: dict[object, tuple[list[tuple[int, str]], WaitingGroup]] = {}
     for (cid, band, need, pin), members in waiting.items():
-        verdicts = tick.verdicts(tick.classes[cid], band, need, pin)
-        groups.append((members, summarize(pin, verdicts), verdicts))
-    return PlanResult.model_construct(placements=placements, expired=expired, waiting=merge_groups(groups))
+        merge_key, summary, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
+        entry = merged.get(merge_key)
+        if entry is None:
+            group = WaitingGroup(job_ids=[], summary=summary, verdicts=verdicts)
+            merged[merge_key] = (list(members), group)
+        else:
+            entry[0].extend(members)
+    groups: list[tuple[int, WaitingGroup]] = []
+    for members, group in merged.values():
+        members.sort()
+        group.job_ids = [job_id for _, job_id in members]
+        groups.append((members[0][0], group))
+    groups.sort(key=lambda item: item[0])
+    return PlanResult(placements=placements, expired=expired, waiting=[group for _, group in groups])
 
 
 def plan_request(request: PlanRequest) -> PlanResult:

@@ -235,7 +235,7 @@ def _verdicts(
         unique = unique_backends(p)
         matching = [b for b in unique if _matches(constraints, attrs[(p.peer_id, b.backend_id)])]
         if not matching:
-            advertised = [b.advertised_attributes for b in unique]
+            advertised = [attrs[(p.peer_id, b.backend_id)] for b in unique]
             message = no_shape_message(constraints, advertised)
             rows.append((p.peer_id, WaitKind.NO_SHAPE, message, None, None, None))
             continue
