@@ -506,6 +506,10 @@ class Executor:
         try:
             with path.open("ab") as logf:
                 outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
+            # Descendants that left the process group (setsid, daemons) must not outlive the job.
+            stray = await asyncio.to_thread(kill_leftovers, {job.run_id})
+            if stray:
+                log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray[job.run_id])
         except Exception as exc:  # a controller-side failure must still settle the job
             log.exception("job %s: executor error", job.job_id)
             for proc in run.procs.values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -292,3 +293,24 @@ async def test_graceful_stop_leaves_no_process(tmp_path: Path) -> None:
     assert ctl.stop() in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
     assert not process_alive(pid)
     assert "g/1" in json.dumps([line for line in ctl.log_text().splitlines() if "finished" in line])
+
+
+async def test_no_process_outlives_its_job(open_controller: Controller) -> None:
+    # The job leaves a child in its group and a daemon in a new session; both must be gone.
+    code = (
+        "import subprocess, sys; "
+        "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+        "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+        "start_new_session=True); "
+        "print(a.pid, b.pid, flush=True)"
+    )
+    req = request(py(code))
+    async with open_controller.client() as c:
+        await c.launch(req)
+        assert (await wait_terminal(c, req.job_id)).state is S.SUCCEEDED
+        pids = [int(p) for p in (await read_all_logs(c, req.job_id)).split()]
+    assert len(pids) == 2
+    for pid in pids:
+        await poll(
+            lambda pid=pid: asyncio.to_thread(process_alive, pid), lambda alive: not alive, what=f"{pid} gone"
+        )
