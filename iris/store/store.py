@@ -1,0 +1,909 @@
+"""The federation store (SPEC §1, §6): queue handles, the reservation ledger, reports and reasons.
+
+Every public method is one transaction. Writes that must not interleave are serialized by the
+database, not by this process, so any number of workers can share one store:
+
+* PostgreSQL: the handle row is locked (``SELECT ... FOR UPDATE``) by promote, cancel and every
+  state change, so cancel and promote of one job commit in some order; a promotion that reserves
+  capacity also locks the peer's ``peer_reports`` row, so two promotions to one peer never both
+  read the ledger before either wrote it. Deadlocks and racing inserts are retried.
+* SQLite: every write transaction is ``BEGIN IMMEDIATE`` (one writer at a time, WAL so readers
+  never block), which is stronger than per-peer locking.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Connection, Engine, Row, bindparam, create_engine, delete, event, func, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+
+from iris.policy.availability import live_reservations, usable_block, working_capacity
+from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservation
+from iris.store.errors import StoreConflict, StoreError
+from iris.store.models import (
+    CancelResult,
+    HandleState,
+    JobHandle,
+    PromoteOutcome,
+    PromoteResult,
+)
+from iris.store.schema import LATEST_VERSION, job_handles, migrate, peer_reports, recorded_versions
+from iris.store.schema import reservations as reservations_table
+
+T = TypeVar("T")
+
+CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+DEADLINE_PASSED = "Scheduling deadline passed before the job could be placed"
+
+_WRITE_OPTION = "iris_store_write"
+_SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# PostgreSQL errors worth running the whole transaction again for: deadlock, serialization
+# failure, and a unique violation from two writers inserting the same new row.
+_RETRY_SQLSTATES = frozenset({"40P01", "40001", "23505"})
+_MAX_ATTEMPTS = 6
+# Keeps IN lists under SQLite's bound-parameter limit.
+_CHUNK = 500
+_LIVE_ASSIGNED = (HandleState.PENDING_HANDOFF, HandleState.HANDED_OFF, HandleState.HANDOFF_FAILED)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _chunks(items: Sequence[str], size: int = _CHUNK) -> Iterator[Sequence[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _expired(handle: JobHandle, now_ms: int) -> bool:
+    # Same boundary as the planner: a deadline that has been reached is past.
+    return handle.deadline_ms is not None and now_ms >= handle.deadline_ms
+
+
+def _target(peer: str | None, backend: str | None) -> str:
+    return f"{peer}/{backend or '-'}"
+
+
+class FederationStore:
+    """Durable state shared by every worker; synchronous (run methods in a thread from asyncio).
+
+    ``url`` is a SQLAlchemy URL: ``sqlite:///path/federation.db`` (the parent directory is
+    created) or ``postgresql+psycopg://user@host:5432/db``. ``schema`` (PostgreSQL only) puts the
+    tables in that schema, created if missing, e.g. to isolate tests or deployments in one database.
+    Opening creates or migrates the schema.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str | None = None,
+        busy_timeout_s: float = 30.0,
+        pool_size: int = 5,
+        max_overflow: int = 20,
+    ) -> None:
+        parsed = make_url(url)
+        backend = parsed.get_backend_name()
+        self._schema = schema
+        if schema is not None and not _SCHEMA_NAME.match(schema):
+            raise StoreError(f"invalid schema name {schema!r}")
+        if backend == "sqlite":
+            if schema is not None:
+                raise StoreError("schema= is only supported on PostgreSQL")
+            database = parsed.database
+            if not database or database == ":memory:" or parsed.query.get("mode") == "memory":
+                raise StoreError("the SQLite federation store needs a file (sqlite:///path/federation.db)")
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self._engine = self._sqlite_engine(url, busy_timeout_s, pool_size, max_overflow)
+            self._postgres = False
+        elif backend == "postgresql":
+            connect_args: dict[str, Any] = {}
+            if schema is not None:
+                connect_args["options"] = f"-csearch_path={schema}"
+            self._engine = create_engine(
+                url,
+                pool_size=pool_size,
+                max_overflow=max_overflow,
+                pool_pre_ping=True,
+                connect_args=connect_args,
+            )
+            self._postgres = True
+        else:
+            raise StoreError(f"unsupported federation store URL {parsed.render_as_string()!r}")
+        self._url = parsed.render_as_string(hide_password=True)
+        try:
+            self._open()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    @staticmethod
+    def _sqlite_engine(url: str, busy_timeout_s: float, pool_size: int, max_overflow: int) -> Engine:
+        engine = create_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            connect_args={"check_same_thread": False, "timeout": busy_timeout_s},
+        )
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            # Take transaction control away from sqlite3 so BEGIN is ours (see _on_begin).
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            # Writers take the write lock up front: a deferred transaction that upgrades later can
+            # fail with SQLITE_BUSY without waiting, and two of them could both read the old ledger.
+            write = conn.get_execution_options().get(_WRITE_OPTION, True)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+        return engine
+
+    def _open(self) -> None:
+        def body(conn: Connection) -> None:
+            if self._postgres:
+                key = f"iris.store.migrate:{self._schema or ''}"
+                conn.execute(select(_advisory_xact_lock(key)))
+                if self._schema is not None:
+                    conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{self._schema}"')
+            migrate(conn)
+
+        self._run(body)
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """The store's URL with any password hidden."""
+        return self._url
+
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return "postgresql" if self._postgres else "sqlite"
+
+    def close(self) -> None:
+        """Close every pooled connection; the store must not be used afterwards."""
+        self._engine.dispose()
+
+    @contextmanager
+    def _begin(self, *, write: bool) -> Iterator[Connection]:
+        with self._engine.connect() as conn:
+            conn.execution_options(**{_WRITE_OPTION: write})
+            with conn.begin():
+                yield conn
+
+    def _run(self, body: Callable[[Connection], T], *, write: bool = True) -> T:
+        """Run ``body`` in one transaction, again from scratch after a retryable conflict."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                with self._begin(write=write) as conn:
+                    return body(conn)
+            except DBAPIError as exc:
+                sqlstate = getattr(exc.orig, "sqlstate", None)
+                if attempt >= _MAX_ATTEMPTS or sqlstate not in _RETRY_SQLSTATES:
+                    raise
+                time.sleep(random.uniform(0.0, 0.01 * attempt))
+
+    def schema_versions(self) -> list[int]:
+        """The migration versions recorded in this database, oldest first."""
+        return self._run(recorded_versions, write=False)
+
+    @staticmethod
+    def latest_schema_version() -> int:
+        return LATEST_VERSION
+
+    # ---- handles -------------------------------------------------------------------------------
+
+    def enqueue(self, handle: JobHandle) -> JobHandle:
+        """Put a job in the queue as QUEUED_HANDOFF; idempotent for the same (job_id, incarnation).
+
+        The same incarnation again returns the stored handle unchanged, whatever its state. A new
+        incarnation replaces a terminal handle (its reservations are released) and raises
+        ``StoreConflict`` while the old one is still live.
+        """
+
+        def body(conn: Connection) -> JobHandle:
+            row = _lock_handle(conn, handle.job_id)
+            fresh = handle.model_copy(
+                update={
+                    "state": HandleState.QUEUED_HANDOFF,
+                    "assigned_peer": None,
+                    "assigned_backend": None,
+                    "observation_epoch_ms": None,
+                    "cancel_requested": False,
+                    "cancel_reason": None,
+                    "updated_ms": _now_ms(),
+                }
+            )
+            if row is None:
+                conn.execute(job_handles.insert().values(_handle_values(fresh)))
+                return fresh
+            existing = _row_handle(row)
+            if existing.incarnation == handle.incarnation:
+                return existing
+            if not existing.state.terminal:
+                raise StoreConflict(
+                    f"job {handle.job_id} incarnation {existing.incarnation} is still {existing.state}; "
+                    f"cannot enqueue incarnation {handle.incarnation}"
+                )
+            _delete_reservations(conn, [handle.job_id])
+            _write_handle(conn, fresh)
+            return fresh
+
+        return self._run(body)
+
+    def get(self, job_id: str) -> JobHandle | None:
+        """The job's handle, or None if it was never queued."""
+
+        def body(conn: Connection) -> JobHandle | None:
+            row = conn.execute(select(job_handles).where(job_handles.c.job_id == job_id)).first()
+            return None if row is None else _row_handle(row)
+
+        return self._run(body, write=False)
+
+    def queued(self) -> list[JobHandle]:
+        """Every QUEUED_HANDOFF handle in placement order: (band, submit_ms, job_id)."""
+
+        def body(conn: Connection) -> list[JobHandle]:
+            rows = conn.execute(
+                select(job_handles)
+                .where(job_handles.c.state == HandleState.QUEUED_HANDOFF.value)
+                .order_by(job_handles.c.band, job_handles.c.submit_ms, job_handles.c.job_id)
+            )
+            return [_row_handle(r) for r in rows]
+
+        return self._run(body, write=False)
+
+    def handles(self, states: Iterable[HandleState] | None = None) -> list[JobHandle]:
+        """Handles in the given states (all when None), by job id; for operators and diagnostics."""
+        wanted = None if states is None else [s.value for s in states]
+
+        def body(conn: Connection) -> list[JobHandle]:
+            stmt = select(job_handles).order_by(job_handles.c.job_id)
+            if wanted is not None:
+                stmt = stmt.where(job_handles.c.state.in_(wanted))
+            return [_row_handle(r) for r in conn.execute(stmt)]
+
+        return self._run(body, write=False)
+
+    # ---- the compare-and-swap (SPEC §6) --------------------------------------------------------
+
+    def promote(self, job_id: str, incarnation: str, placement: Placement, now_ms: int) -> PromoteResult:
+        """Move the handle QUEUED_HANDOFF → PENDING_HANDOFF(peer, backend) and charge the ledger.
+
+        Only if the handle of this incarnation is still queued, has no cancel intent, has not
+        reached its deadline (then it becomes UNSCHEDULABLE here) and, when the placement reserves
+        capacity, the confirmed reservations of that backend's latest stored observation plus this
+        job's need still fit its effective capacity for the job's band. The reservation is
+        recorded against that latest observation. A retry after success answers ALREADY_PROMOTED
+        without charging twice. Any refusal but CANCELLED and EXPIRED leaves the job queued.
+        """
+        if placement.job_id and placement.job_id != job_id:
+            raise ValueError(f"placement is for job {placement.job_id!r}, not {job_id!r}")
+
+        def body(conn: Connection) -> PromoteResult:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return PromoteResult(
+                    outcome=PromoteOutcome.NOT_FOUND, message=f"job {job_id} is not in the federation queue"
+                )
+            handle = _row_handle(row)
+            if handle.incarnation != incarnation:
+                return PromoteResult(
+                    outcome=PromoteOutcome.NOT_FOUND,
+                    message=f"job {job_id} is queued as incarnation {handle.incarnation}, not {incarnation}",
+                    handle=handle,
+                )
+            pin = handle.shape.target_cluster
+            if pin is not None and placement.peer_id != pin:
+                raise StoreConflict(
+                    f"job {job_id} is pinned to {pin}; refusing to promote it to {placement.peer_id}"
+                )
+            if handle.state is not HandleState.QUEUED_HANDOFF:
+                return self._not_queued(conn, handle, placement)
+            if handle.cancel_requested:
+                return PromoteResult(
+                    outcome=PromoteOutcome.CANCELLED,
+                    message=f"job {job_id} has a cancel request: {handle.cancel_reason or 'cancelled'}",
+                    handle=handle,
+                )
+            if _expired(handle, now_ms):
+                expired = handle.model_copy(
+                    update={
+                        "state": HandleState.UNSCHEDULABLE,
+                        "reason": DEADLINE_PASSED,
+                        "updated_ms": now_ms,
+                    }
+                )
+                _write_handle(conn, expired)
+                return PromoteResult(
+                    outcome=PromoteOutcome.EXPIRED,
+                    message=f"job {job_id} reached its deadline ({handle.deadline_ms}) at {now_ms}",
+                    handle=expired,
+                )
+            reservation: Reservation | None = None
+            observation = placement.observation_epoch_ms
+            if placement.reserved:
+                charged = _charge(conn, handle, placement, now_ms)
+                if isinstance(charged, PromoteResult):
+                    return charged
+                reservation = charged
+                observation = charged.observation_epoch_ms
+            promoted = handle.model_copy(
+                update={
+                    "state": HandleState.PENDING_HANDOFF,
+                    "assigned_peer": placement.peer_id,
+                    "assigned_backend": placement.backend_id or None,
+                    "observation_epoch_ms": observation,
+                    "reason": None,
+                    "updated_ms": now_ms,
+                }
+            )
+            _write_handle(conn, promoted)
+            target = _target(placement.peer_id, placement.backend_id)
+            if reservation is None:
+                message = f"promoted to {target} (shape-only; nothing reserved)"
+            else:
+                amounts = ", ".join(f"{n} {t}" for t, n in sorted(reservation.amounts.items()))
+                message = f"promoted to {target}; reserved {amounts} of observation {observation}"
+            return PromoteResult(
+                outcome=PromoteOutcome.PROMOTED, message=message, handle=promoted, reservation=reservation
+            )
+
+        return self._run(body)
+
+    @staticmethod
+    def _not_queued(conn: Connection, handle: JobHandle, placement: Placement) -> PromoteResult:
+        same_target = (
+            handle.assigned_peer is not None
+            and handle.assigned_peer == placement.peer_id
+            and (handle.assigned_backend or "") == placement.backend_id
+        )
+        where = (
+            f" on {_target(handle.assigned_peer, handle.assigned_backend)}" if handle.assigned_peer else ""
+        )
+        if same_target:
+            existing = _job_reservation(conn, handle.job_id)
+            return PromoteResult(
+                outcome=PromoteOutcome.ALREADY_PROMOTED,
+                message=f"job {handle.job_id} is already {handle.state}{where}",
+                handle=handle,
+                reservation=existing,
+            )
+        if handle.state is HandleState.UNSCHEDULABLE:
+            return PromoteResult(
+                outcome=PromoteOutcome.EXPIRED,
+                message=f"job {handle.job_id} is UNSCHEDULABLE: {handle.reason or DEADLINE_PASSED}",
+                handle=handle,
+            )
+        if handle.cancel_requested:
+            return PromoteResult(
+                outcome=PromoteOutcome.CANCELLED,
+                message=f"job {handle.job_id} was cancelled ({handle.cancel_reason or 'cancelled'}); "
+                f"it is {handle.state}{where}",
+                handle=handle,
+            )
+        return PromoteResult(
+            outcome=PromoteOutcome.NOT_QUEUED,
+            message=f"job {handle.job_id} is {handle.state}{where}, not queued",
+            handle=handle,
+        )
+
+    # ---- cancellation, expiry, state -----------------------------------------------------------
+
+    def record_cancel(self, job_id: str, reason: str) -> CancelResult:
+        """Record the cancel intent; ``won`` when it committed before any promotion.
+
+        A queued handle becomes KILLED (never deliverable). A promoted or handed-off one keeps its
+        state with the intent set: the job has to be stopped through its peer. An unknown job was
+        never queued, so nothing can deliver it: won. Repeating a cancel that already won answers
+        won again, so the activity is idempotent under retries.
+        """
+
+        def body(conn: Connection) -> CancelResult:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return CancelResult(
+                    won=True, state=HandleState.KILLED, message=f"job {job_id} was never queued for handoff"
+                )
+            handle = _row_handle(row)
+            state = handle.state
+            where = _target(handle.assigned_peer, handle.assigned_backend)
+            if state is HandleState.QUEUED_HANDOFF:
+                killed = handle.model_copy(
+                    update={
+                        "state": HandleState.KILLED,
+                        "cancel_requested": True,
+                        "cancel_reason": reason,
+                        "reason": CANCELLED_BEFORE_HANDOFF,
+                        "updated_ms": _now_ms(),
+                    }
+                )
+                _write_handle(conn, killed)
+                _delete_reservations(conn, [job_id])
+                return CancelResult(won=True, state=HandleState.KILLED, message=CANCELLED_BEFORE_HANDOFF)
+            if state in _LIVE_ASSIGNED:
+                if not handle.cancel_requested:
+                    _write_handle(
+                        conn,
+                        handle.model_copy(
+                            update={
+                                "cancel_requested": True,
+                                "cancel_reason": reason,
+                                "updated_ms": _now_ms(),
+                            }
+                        ),
+                    )
+                return CancelResult(
+                    won=False,
+                    state=state,
+                    message=f"job {job_id} is already {state} on {where}; it must be stopped through "
+                    f"{handle.assigned_peer}",
+                )
+            if state is HandleState.KILLED and handle.cancel_requested and handle.assigned_peer is None:
+                return CancelResult(won=True, state=state, message=CANCELLED_BEFORE_HANDOFF)
+            return CancelResult(won=False, state=state, message=f"job {job_id} already ended {state}")
+
+        return self._run(body)
+
+    def expire_due(self, now_ms: int) -> list[str]:
+        """Every queued handle whose deadline has been reached becomes UNSCHEDULABLE; their ids."""
+
+        def body(conn: Connection) -> list[str]:
+            # Lock in job-id order so concurrent multi-row writers cannot deadlock.
+            ids = list(
+                conn.execute(
+                    select(job_handles.c.job_id)
+                    .where(
+                        job_handles.c.state == HandleState.QUEUED_HANDOFF.value,
+                        job_handles.c.deadline_ms.is_not(None),
+                        job_handles.c.deadline_ms <= now_ms,
+                    )
+                    .order_by(job_handles.c.job_id)
+                    .with_for_update()
+                ).scalars()
+            )
+            for chunk in _chunks(ids):
+                conn.execute(
+                    update(job_handles)
+                    .where(job_handles.c.job_id.in_(chunk))
+                    .values(state=HandleState.UNSCHEDULABLE.value, reason=DEADLINE_PASSED, updated_ms=now_ms)
+                )
+            _delete_reservations(conn, ids)
+            return ids
+
+        return self._run(body)
+
+    def expire(self, job_id: str, incarnation: str, now_ms: int) -> bool:
+        """Make one queued handle UNSCHEDULABLE if its deadline has been reached; True if it did."""
+
+        def body(conn: Connection) -> bool:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return False
+            handle = _row_handle(row)
+            if (
+                handle.incarnation != incarnation
+                or handle.state is not HandleState.QUEUED_HANDOFF
+                or not _expired(handle, now_ms)
+            ):
+                return False
+            _write_handle(
+                conn,
+                handle.model_copy(
+                    update={
+                        "state": HandleState.UNSCHEDULABLE,
+                        "reason": DEADLINE_PASSED,
+                        "updated_ms": now_ms,
+                    }
+                ),
+            )
+            _delete_reservations(conn, [job_id])
+            return True
+
+        return self._run(body)
+
+    def set_state(
+        self, job_id: str, incarnation: str, state: HandleState, reason: str | None = None
+    ) -> JobHandle | None:
+        """Record HANDED_OFF, HANDOFF_FAILED or a terminal state; None for an unknown or stale handle.
+
+        A terminal handle is final: it is returned unchanged. A terminal state releases the job's
+        reservations. A queued handle cannot be handed off (promote it first): ``StoreConflict``.
+        """
+        if state in (HandleState.QUEUED_HANDOFF, HandleState.PENDING_HANDOFF):
+            raise ValueError(f"{state} is set by enqueue/requeue and promote, not set_state")
+
+        def body(conn: Connection) -> JobHandle | None:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return None
+            handle = _row_handle(row)
+            if handle.incarnation != incarnation:
+                return None
+            if handle.state.terminal or (handle.state is state and reason in (None, handle.reason)):
+                return handle
+            if handle.state is HandleState.QUEUED_HANDOFF and not state.terminal:
+                raise StoreConflict(f"job {job_id} is still queued; it cannot be {state} before promotion")
+            changed = handle.model_copy(
+                update={
+                    "state": state,
+                    "reason": reason if reason is not None else handle.reason,
+                    "updated_ms": _now_ms(),
+                }
+            )
+            _write_handle(conn, changed)
+            if state.terminal:
+                _delete_reservations(conn, [job_id])
+            return changed
+
+        return self._run(body)
+
+    def requeue(self, job_id: str, incarnation: str) -> bool:
+        """Put a PENDING_HANDOFF or HANDOFF_FAILED handle back in the queue (operator replay).
+
+        Clears the assignment and releases the reservation. Refused (False) for a stale
+        incarnation, any other state, or a handle with a cancel intent.
+        """
+
+        def body(conn: Connection) -> bool:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return False
+            handle = _row_handle(row)
+            if (
+                handle.incarnation != incarnation
+                or handle.state not in (HandleState.PENDING_HANDOFF, HandleState.HANDOFF_FAILED)
+                or handle.cancel_requested
+            ):
+                return False
+            _write_handle(
+                conn,
+                handle.model_copy(
+                    update={
+                        "state": HandleState.QUEUED_HANDOFF,
+                        "assigned_peer": None,
+                        "assigned_backend": None,
+                        "observation_epoch_ms": None,
+                        "reason": None,
+                        "updated_ms": _now_ms(),
+                    }
+                ),
+            )
+            _delete_reservations(conn, [job_id])
+            return True
+
+        return self._run(body)
+
+    # ---- the reservation ledger ----------------------------------------------------------------
+
+    def reservations(self) -> list[Reservation]:
+        """Every confirmed reservation, by (peer, backend, observation, job)."""
+
+        def body(conn: Connection) -> list[Reservation]:
+            t = reservations_table
+            rows = conn.execute(
+                select(t).order_by(t.c.peer_id, t.c.backend_id, t.c.observation_epoch_ms, t.c.job_id)
+            )
+            return [_row_reservation(r) for r in rows]
+
+        return self._run(body, write=False)
+
+    def prune_reservations(self, reports: list[PeerReport]) -> int:
+        """Delete reservations no longer charged against a current observation; how many."""
+
+        def body(conn: Connection) -> int:
+            current = [_row_reservation(r) for r in conn.execute(select(reservations_table))]
+            live = {
+                (r.job_id, r.peer_id, r.backend_id, r.observation_epoch_ms)
+                for r in live_reservations(current, reports)
+            }
+            gone = [
+                r for r in current if (r.job_id, r.peer_id, r.backend_id, r.observation_epoch_ms) not in live
+            ]
+            t = reservations_table
+            for r in gone:
+                # Matched on the full key: a row re-charged meanwhile to a newer observation stays.
+                conn.execute(
+                    delete(t).where(
+                        t.c.job_id == r.job_id,
+                        t.c.peer_id == r.peer_id,
+                        t.c.backend_id == r.backend_id,
+                        t.c.observation_epoch_ms == r.observation_epoch_ms,
+                    )
+                )
+            return len(gone)
+
+        return self._run(body)
+
+    def release(self, job_id: str) -> int:
+        """Delete the job's reservations; how many."""
+        return self._run(lambda conn: _delete_reservations(conn, [job_id]))
+
+    # ---- peer reports --------------------------------------------------------------------------
+
+    def save_reports(self, reports: list[PeerReport]) -> None:
+        """Upsert each peer's latest report.
+
+        An unreachable peer keeps the ``last_contact_ms`` of its last good report, so staleness
+        is measured from when it was last really heard from.
+        """
+        by_peer = {r.peer_id: r for r in reports}
+
+        def body(conn: Connection) -> None:
+            now = _now_ms()
+            # Sorted so two concurrent savers lock peer rows in the same order.
+            for peer_id in sorted(by_peer):
+                report = by_peer[peer_id]
+                row = conn.execute(
+                    select(peer_reports.c.last_contact_ms)
+                    .where(peer_reports.c.peer_id == peer_id)
+                    .with_for_update()
+                ).first()
+                last_contact = report.last_contact_ms
+                if not report.reachable and row is not None and row.last_contact_ms is not None:
+                    last_contact = row.last_contact_ms
+                stored = report.model_copy(update={"last_contact_ms": last_contact})
+                values = {
+                    "reachable": stored.reachable,
+                    "last_contact_ms": last_contact,
+                    "report": stored.model_dump_json(),
+                    "updated_ms": now,
+                }
+                if row is None:
+                    conn.execute(peer_reports.insert().values(peer_id=peer_id, **values))
+                else:
+                    conn.execute(
+                        update(peer_reports).where(peer_reports.c.peer_id == peer_id).values(**values)
+                    )
+
+        self._run(body)
+
+    def load_reports(self) -> list[PeerReport]:
+        """The latest stored report of every peer, by peer id."""
+
+        def body(conn: Connection) -> list[PeerReport]:
+            rows = conn.execute(select(peer_reports).order_by(peer_reports.c.peer_id))
+            return [_row_report(r) for r in rows]
+
+        return self._run(body, write=False)
+
+    # ---- waiting reasons -----------------------------------------------------------------------
+
+    def update_reasons(self, reasons: dict[str, str]) -> list[str]:
+        """Store each queued job's latest waiting summary; the ids whose summary changed.
+
+        Jobs that are not queued (promoted or ended meanwhile) are ignored.
+        """
+        ids = sorted(reasons)
+
+        def body(conn: Connection) -> list[str]:
+            changed: list[str] = []
+            now = _now_ms()
+            for chunk in _chunks(ids):
+                rows = conn.execute(
+                    select(job_handles.c.job_id, job_handles.c.reason)
+                    .where(
+                        job_handles.c.job_id.in_(chunk),
+                        job_handles.c.state == HandleState.QUEUED_HANDOFF.value,
+                    )
+                    .order_by(job_handles.c.job_id)
+                    .with_for_update()
+                )
+                batch = [
+                    {"b_job_id": r.job_id, "b_reason": reasons[r.job_id]}
+                    for r in rows
+                    if r.reason != reasons[r.job_id]
+                ]
+                if batch:
+                    conn.execute(
+                        update(job_handles)
+                        .where(job_handles.c.job_id == bindparam("b_job_id"))
+                        .values(reason=bindparam("b_reason"), updated_ms=now),
+                        batch,
+                    )
+                    changed.extend(b["b_job_id"] for b in batch)
+            return changed
+
+        return self._run(body)
+
+
+# ---- row helpers --------------------------------------------------------------------------------
+
+
+def _advisory_xact_lock(key: str) -> Any:
+    return func.pg_advisory_xact_lock(func.hashtext(key))
+
+
+def _lock_handle(conn: Connection, job_id: str) -> Row[Any] | None:
+    # FOR UPDATE on PostgreSQL; SQLite renders nothing and relies on BEGIN IMMEDIATE.
+    return conn.execute(select(job_handles).where(job_handles.c.job_id == job_id).with_for_update()).first()
+
+
+def _row_handle(row: Row[Any]) -> JobHandle:
+    shape = JobShape.model_validate_json(row.shape)
+    return JobHandle(
+        job_id=row.job_id,
+        incarnation=row.incarnation,
+        state=HandleState(row.state),
+        shape=shape,
+        band=Band(row.band),
+        submit_ms=row.submit_ms,
+        deadline_ms=row.deadline_ms,
+        assigned_peer=row.assigned_peer,
+        assigned_backend=row.assigned_backend,
+        observation_epoch_ms=row.observation_epoch_ms,
+        cancel_requested=bool(row.cancel_requested),
+        cancel_reason=row.cancel_reason,
+        reason=row.reason,
+        updated_ms=row.updated_ms,
+    )
+
+
+def _handle_values(handle: JobHandle) -> dict[str, Any]:
+    return {
+        "job_id": handle.job_id,
+        "incarnation": handle.incarnation,
+        "state": handle.state.value,
+        "shape": handle.shape.model_dump_json(),
+        "band": int(handle.shape.band),
+        "submit_ms": handle.shape.submit_ms,
+        "deadline_ms": handle.shape.deadline_ms,
+        "target_cluster": handle.shape.target_cluster,
+        "assigned_peer": handle.assigned_peer,
+        "assigned_backend": handle.assigned_backend,
+        "observation_epoch_ms": handle.observation_epoch_ms,
+        "cancel_requested": handle.cancel_requested,
+        "cancel_reason": handle.cancel_reason,
+        "reason": handle.reason,
+        "updated_ms": handle.updated_ms,
+    }
+
+
+def _write_handle(conn: Connection, handle: JobHandle) -> None:
+    conn.execute(
+        update(job_handles).where(job_handles.c.job_id == handle.job_id).values(_handle_values(handle))
+    )
+
+
+def _row_reservation(row: Row[Any]) -> Reservation:
+    return Reservation(
+        peer_id=row.peer_id,
+        backend_id=row.backend_id,
+        observation_epoch_ms=row.observation_epoch_ms,
+        amounts=json.loads(row.amounts),
+        band=None if row.band is None else Band(row.band),
+        job_id=row.job_id,
+    )
+
+
+def _job_reservation(conn: Connection, job_id: str) -> Reservation | None:
+    row = conn.execute(select(reservations_table).where(reservations_table.c.job_id == job_id)).first()
+    return None if row is None else _row_reservation(row)
+
+
+def _delete_reservations(conn: Connection, job_ids: Sequence[str]) -> int:
+    removed = 0
+    for chunk in _chunks(job_ids):
+        removed += conn.execute(
+            delete(reservations_table).where(reservations_table.c.job_id.in_(chunk))
+        ).rowcount
+    return removed
+
+
+def _row_report(row: Row[Any]) -> PeerReport:
+    report = PeerReport.model_validate_json(row.report)
+    # The columns are authoritative (the JSON is written from them, but never trust a copy).
+    return report.model_copy(
+        update={"reachable": bool(row.reachable), "last_contact_ms": row.last_contact_ms}
+    )
+
+
+def _charge(
+    conn: Connection, handle: JobHandle, placement: Placement, now_ms: int
+) -> Reservation | PromoteResult:
+    """Check the placement's need against the peer's latest report and ledger; record it if it fits.
+
+    Locks the peer's report row first, so concurrent promotions to one peer take turns and each
+    sees the reservations the previous one committed.
+    """
+    peer_id, backend_id = placement.peer_id, placement.backend_id
+    target = _target(peer_id, backend_id)
+    row = conn.execute(
+        select(peer_reports).where(peer_reports.c.peer_id == peer_id).with_for_update()
+    ).first()
+    if row is None:
+        return PromoteResult(
+            outcome=PromoteOutcome.UNKNOWN_BACKEND,
+            message=f"no report is stored for peer {peer_id}",
+            handle=handle,
+        )
+    report = _row_report(row)
+    if not report.reachable:
+        return PromoteResult(
+            outcome=PromoteOutcome.NO_CAPACITY,
+            message=f"peer {peer_id} is unreachable; its capacity is unknown",
+            handle=handle,
+        )
+    backend = next((b for b in report.backends if b.backend_id == backend_id), None)
+    if backend is None:
+        return PromoteResult(
+            outcome=PromoteOutcome.UNKNOWN_BACKEND,
+            message=f"peer {peer_id}'s latest report has no backend {backend_id!r}",
+            handle=handle,
+        )
+    block = usable_block(backend)
+    if block is None:
+        # The placement was verified against a capacity block the peer no longer sends; replan.
+        return PromoteResult(
+            outcome=PromoteOutcome.NO_CAPACITY,
+            message=f"{target} no longer reports its capacity; waiting for the next tick",
+            handle=handle,
+        )
+    observation = block.observation_epoch_ms
+    t = reservations_table
+    ledger = [
+        _row_reservation(r)
+        for r in conn.execute(
+            select(t).where(
+                t.c.peer_id == peer_id,
+                t.c.backend_id == backend_id,
+                t.c.observation_epoch_ms == observation,
+                t.c.job_id != handle.job_id,
+            )
+        )
+    ]
+    capacity = working_capacity(peer_id, backend, ledger)
+    assert capacity is not None  # usable_block above
+    need: dict[str, int] = {}
+    for token, amount in placement.reserved.items():
+        key = token.strip().lower()
+        need[key] = need.get(key, 0) + max(0, amount)
+    band = handle.band
+    for token, amount in sorted(need.items()):
+        available = capacity.effective(token, band)
+        if available < amount:
+            return PromoteResult(
+                outcome=PromoteOutcome.NO_CAPACITY,
+                message=f"{target} has {available} {token} left for band {band.label} after confirmed "
+                f"reservations; needs {amount}",
+                handle=handle,
+            )
+        capacity.spend(token, amount, band)
+    reservation = Reservation(
+        peer_id=peer_id,
+        backend_id=backend_id,
+        observation_epoch_ms=observation,
+        amounts={k: v for k, v in need.items() if v > 0},
+        band=band,
+        job_id=handle.job_id,
+    )
+    conn.execute(
+        t.insert().values(
+            job_id=handle.job_id,
+            peer_id=peer_id,
+            backend_id=backend_id,
+            observation_epoch_ms=observation,
+            amounts=json.dumps(reservation.amounts, sort_keys=True),
+            band=int(band),
+            created_ms=now_ms,
+        )
+    )
+    return reservation
