@@ -292,8 +292,9 @@ class FederationStore:
         reached its deadline (then it becomes UNSCHEDULABLE here) and, when the placement reserves
         capacity, the confirmed reservations of that backend's latest stored observation plus this
         job's need still fit its effective capacity for the job's band. The reservation is
-        recorded against that latest observation. A retry after success answers ALREADY_PROMOTED
-        without charging twice. Any refusal but CANCELLED and EXPIRED leaves the job queued.
+        recorded against that latest observation. A retry while that promotion is live (pending,
+        handed off or parked) answers ALREADY_PROMOTED without charging twice; an ended handle is
+        never reported promoted again. Any refusal but CANCELLED and EXPIRED leaves the job queued.
         """
         if placement.job_id and placement.job_id != job_id:
             raise ValueError(f"placement is for job {placement.job_id!r}, not {job_id!r}")
@@ -371,8 +372,10 @@ class FederationStore:
 
     @staticmethod
     def _not_queued(conn: Connection, handle: JobHandle, placement: Placement) -> PromoteResult:
+        # Only a live promotion is "already promoted": a retry must never revive an ended job.
         same_target = (
-            handle.assigned_peer is not None
+            handle.state in _LIVE_ASSIGNED
+            and handle.assigned_peer is not None
             and handle.assigned_peer == placement.peer_id
             and (handle.assigned_backend or "") == placement.backend_id
         )
@@ -607,20 +610,31 @@ class FederationStore:
         return self._run(body, write=False)
 
     def prune_reservations(self, reports: list[PeerReport]) -> int:
-        """Delete reservations no longer charged against a current observation; how many."""
+        """Delete reservations no longer charged against a current observation; how many.
+
+        "Current" is judged by ``reports`` (the policy's ``live_reservations``), except that a
+        reservation charged to an observation newer than the one ``reports`` show for its backend
+        is kept: a caller holding an older view must not free capacity spent since.
+        """
+        seen: dict[tuple[str, str], int] = {}
+        for report in reports:
+            for backend in report.backends:
+                block = usable_block(backend)
+                if block is not None:
+                    seen[(report.peer_id, backend.backend_id)] = block.observation_epoch_ms
 
         def body(conn: Connection) -> int:
             current = [_row_reservation(r) for r in conn.execute(select(reservations_table))]
-            live = {
-                (r.job_id, r.peer_id, r.backend_id, r.observation_epoch_ms)
-                for r in live_reservations(current, reports)
-            }
+            live = {_reservation_key(r) for r in live_reservations(current, reports)}
             gone = [
-                r for r in current if (r.job_id, r.peer_id, r.backend_id, r.observation_epoch_ms) not in live
+                r
+                for r in current
+                if _reservation_key(r) not in live
+                and r.observation_epoch_ms <= seen.get((r.peer_id, r.backend_id), r.observation_epoch_ms)
             ]
             t = reservations_table
             for r in gone:
-                # Matched on the full key: a row re-charged meanwhile to a newer observation stays.
+                # Matched on the full key, so only the row this decision was about is deleted.
                 conn.execute(
                     delete(t).where(
                         t.c.job_id == r.job_id,
@@ -792,6 +806,10 @@ def _row_reservation(row: Row[Any]) -> Reservation:
         band=None if row.band is None else Band(row.band),
         job_id=row.job_id,
     )
+
+
+def _reservation_key(r: Reservation) -> tuple[str, str, str, int]:
+    return (r.job_id, r.peer_id, r.backend_id, r.observation_epoch_ms)
 
 
 def _job_reservation(conn: Connection, job_id: str) -> Reservation | None:

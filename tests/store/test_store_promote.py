@@ -64,10 +64,15 @@ def test_retried_promotion_is_idempotent(store: FederationStore) -> None:
     assert later.outcome is PromoteOutcome.ALREADY_PROMOTED and later.promoted
     assert len(store.reservations()) == 1
 
+    # Once the job has ended, no retry may present it as promoted again (never run twice).
+    assert store.set_state("j1", "inc-1", HandleState.SUCCEEDED) is not None
+    ended = store.promote("j1", "inc-1", placement("j1"), NOW + 20)
+    assert ended.outcome is PromoteOutcome.NOT_QUEUED and not ended.promoted
+
     # A different target is not a retry of this promotion.
     other = store.promote("j1", "inc-1", placement("j1", backend="h100-b"), NOW)
     assert other.outcome is PromoteOutcome.NOT_QUEUED and not other.promoted
-    assert "HANDED_OFF" in other.message
+    assert "SUCCEEDED" in other.message
 
 
 def test_refusals(store: FederationStore) -> None:
@@ -229,6 +234,17 @@ def test_prune_keeps_current_and_unreachable_reservations(store: FederationStore
     store.save_reports([report(PEER, gpu_backend(free=0, epoch=EPOCH + 1))])
     assert store.prune_reservations(store.load_reports()) == 1
     assert [r.job_id for r in store.reservations()] == ["on-gcp"]
+
+
+def test_prune_with_an_older_view_keeps_newer_charges(store: FederationStore) -> None:
+    old_view = [report(PEER, gpu_backend(free=8))]
+    store.save_reports([report(PEER, gpu_backend(free=8, epoch=EPOCH + 5))])
+    store.enqueue(handle("a"))
+    assert store.promote("a", "inc-1", placement("a"), NOW).promoted
+    # A tick that loaded EPOCH before the newer report landed must not free what "a" spent.
+    assert store.prune_reservations(old_view) == 0
+    assert store.prune_reservations(store.load_reports()) == 0
+    assert store.prune_reservations([report(PEER, gpu_backend(free=8, epoch=EPOCH + 6))]) == 1
 
 
 def test_ledger_survives_reopening(stores: Stores) -> None:
