@@ -102,7 +102,7 @@ class FederationStore:
             database = parsed.database
             if not database or database == ":memory:" or parsed.query.get("mode") == "memory":
                 raise StoreError("the SQLite federation store needs a file (sqlite:///path/federation.db)")
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
             self._engine = self._sqlite_engine(url, busy_timeout_s, pool_size, max_overflow)
             self._postgres = False
         elif backend == "postgresql":
