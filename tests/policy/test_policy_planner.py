@@ -99,6 +99,14 @@ class TestOrderAndFit:
         )
         assert where(result) == {"j": ("cw-a", "y")}
 
+    def test_ties_ignore_report_order(self) -> None:
+        home = peer("marin", cpu_backend("z"), cpu_backend("b"), backend("y", gpu_attrs(), legacy=True))
+        legacy = peer("cw", backend("z", gpu_attrs(), legacy=True), backend("c", gpu_attrs(), legacy=True))
+        result = tick([cpu_job("c"), job("g")], home, legacy)
+        assert where(result) == {"c": ("marin", "b"), "g": ("marin", "y")}
+        result = tick([job("g")], HOME_CPU, legacy)
+        assert where(result) == {"g": ("cw", "c")}
+
     def test_two_equal_peers_spread_two_jobs(self) -> None:
         result = tick(
             [job("one", submit_ms=1), job("two", submit_ms=2)],
@@ -406,3 +414,17 @@ class TestDeterminismAndPayloads:
         west = peer("z-west", backend("b", gpu_attrs("h100", region="us-west"), free={"h100": 8}))
         result = tick([job("j", constraints=(eq("Region", "US-West"),))], HOME_CPU, east, west)
         assert where(result) == {"j": ("z-west", "b")}
+
+
+def test_plan_restores_the_garbage_collector_state() -> None:
+    import gc
+
+    assert gc.isenabled()
+    tick([job("j")], HOME_CPU)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        tick([job("j")], HOME_CPU)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

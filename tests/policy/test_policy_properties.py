@@ -65,7 +65,8 @@ def federations(draw: st.DrawFn) -> tuple[list[PeerReport], list[Reservation]]:
     ids = [HOME] + [f"cw-{i}" for i in range(draw(st.integers(1, 3)))]
     reports: list[PeerReport] = []
     for pid in ids:
-        backends = [draw(backend_reports(f"b{k}")) for k in range(draw(st.integers(0, 3)))]
+        names = draw(st.permutations(["b0", "b1", "b2"]))[: draw(st.integers(0, 3))]
+        backends = [draw(backend_reports(name)) for name in names]
         state = draw(st.sampled_from(("ok",) * 6 + ("down", "stale")))
         reports.append(
             peer(

@@ -18,6 +18,7 @@ ALLOWED_ROOTS = {
     "collections",
     "dataclasses",
     "enum",
+    "gc",
     "itertools",
     "operator",
     "re",
