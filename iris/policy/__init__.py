@@ -46,6 +46,8 @@ from iris.policy.routing import (
     first_unmatched,
     job_constraints,
     matches,
+    pinned_cluster,
+    resolve_cluster,
     routing_constraints,
 )
 
@@ -86,10 +88,12 @@ __all__ = [
     "matches",
     "peer_status",
     "pick_backend",
+    "pinned_cluster",
     "plan",
     "plan_reference",
     "plan_request",
     "queued_for_peer_reason",
+    "resolve_cluster",
     "routing_constraints",
     "usable_block",
     "working_capacity",

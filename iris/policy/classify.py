@@ -20,20 +20,13 @@ from iris.policy.models import (
     PeerReport,
     Reservation,
 )
-from iris.policy.routing import job_constraints, matches
+from iris.policy.routing import job_constraints, matches, resolve_cluster
 
 QUEUED_REASON = "Queued for a federation peer to report free capacity"
 
 
 def queued_for_peer_reason(peer_id: str) -> str:
     return f"Queued for peer {peer_id} to report free capacity"
-
-
-def _resolve_pin(pin: str, known: Sequence[str]) -> str | None:
-    if pin in known:
-        return pin
-    folded = [k for k in known if k.lower() == pin.lower()]
-    return folded[0] if len(folded) == 1 else None
 
 
 def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reservation] = ()) -> str | None:
@@ -139,7 +132,7 @@ def classify(
 
     pin = (job.target_cluster or "").strip()
     if pin:
-        resolved = _resolve_pin(pin, known)
+        resolved = resolve_cluster(pin, known)
         if resolved is None:
             return Classification(
                 disposition=Disposition.REJECT,

@@ -44,7 +44,7 @@ from iris.policy.models import (
     WaitKind,
 )
 from iris.policy.reference import peer_order, placement_reason, unique_backends
-from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes
+from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
 
 _PRODUCTION = Band.PRODUCTION
 _INTERACTIVE = Band.INTERACTIVE
@@ -548,6 +548,7 @@ def _plan(
     expired: list[str] = []
     waiting: dict[tuple[int, Band, int, str | None], list[tuple[int, str]]] = {}
     shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], _Class] = {}
+    pins: dict[str, str | None] = {}
     for position, (_, _, job_id, index) in enumerate(order):
         job = unique[index]
         deadline = job.deadline_ms
@@ -563,7 +564,11 @@ def _plan(
             cls = tick.class_for(job_constraints(job), job_gate[0] if job_gate else None)
             shape_cache[shape_key] = cls
         band = job.band
-        pin = job.target_cluster or None
+        pin = None
+        if job.target_cluster:
+            pin = pins.get(job.target_cluster)
+            if pin is None:
+                pin = pins[job.target_cluster] = pinned_cluster(job.target_cluster, tick.status)
 
         choice: tuple[_Backend | None, bool] | None
         if pin:

@@ -33,7 +33,7 @@ from iris.policy.models import (
     Reservation,
     WaitKind,
 )
-from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes
+from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
 
 
 def _matches(constraints: Sequence[Constraint], attrs: dict[str, frozenset[str]]) -> bool:
@@ -100,18 +100,19 @@ def plan_reference(
 
     placements: list[Placement] = []
     expired: list[str] = []
-    waiting: list[tuple[int, JobShape]] = []
+    waiting: list[tuple[int, JobShape, str | None]] = []
     for position, job in enumerate(queue_order(jobs)):
         if is_expired(job, now_ms):
             expired.append(job.job_id)
             continue
         constraints = job_constraints(job)
         need = gate(job.device)
+        pin = pinned_cluster(job.target_cluster, status)
         best: _Rank | None = None
         for p in peers:
             if status[p.peer_id] is not PeerStatus.OK:
                 continue
-            if job.target_cluster and job.target_cluster != p.peer_id:
+            if pin and pin != p.peer_id:
                 continue
             if max_per_peer is not None and placed_on.get(p.peer_id, 0) >= max_per_peer:
                 continue
@@ -144,11 +145,11 @@ def plan_reference(
                         continue
                 if best is None or rank < best:
                     best = rank
-            if not shape_matched and job.target_cluster == p.peer_id:
+            if not shape_matched and pin == p.peer_id:
                 # Force-route: the pin wins over what the peer advertises; nothing is reserved.
                 best = (2, 0, not_home, 0, p.peer_id, "")
         if best is None:
-            waiting.append((position, job))
+            waiting.append((position, job, pin))
             continue
         shape_only, preempts, _, _, peer_id, backend_id = best
         placed_on[peer_id] = placed_on.get(peer_id, 0) + 1
@@ -177,9 +178,11 @@ def plan_reference(
         )
 
     groups = []
-    for position, job in waiting:
-        verdicts = _verdicts(job, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms)
-        groups.append(([(position, job.job_id)], summarize(job.target_cluster, verdicts), verdicts))
+    for position, job, pin in waiting:
+        verdicts = _verdicts(
+            job, pin, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms
+        )
+        groups.append(([(position, job.job_id)], summarize(pin, verdicts), verdicts))
     return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups))
 
 
@@ -200,6 +203,7 @@ def _peer(peers: Sequence[PeerReport], peer_id: str) -> PeerReport:
 
 def _verdicts(
     job: JobShape,
+    pin: str | None,
     peers: Sequence[PeerReport],
     status: dict[str, PeerStatus],
     capacity: dict[tuple[str, str], Capacity | None],
@@ -212,18 +216,9 @@ def _verdicts(
     constraints = job_constraints(job)
     need = gate(job.device)
     rows: list[tuple[str, WaitKind, str, str | None, int | None, int | None]] = []
-    candidates = [p for p in peers if not job.target_cluster or p.peer_id == job.target_cluster]
-    if job.target_cluster and not candidates:
-        rows.append(
-            (
-                job.target_cluster,
-                WaitKind.UNKNOWN_PEER,
-                unknown_peer_message(job.target_cluster),
-                None,
-                None,
-                None,
-            )
-        )
+    candidates = [p for p in peers if not pin or p.peer_id == pin]
+    if pin and not candidates:
+        rows.append((pin, WaitKind.UNKNOWN_PEER, unknown_peer_message(pin), None, None, None))
     for p in candidates:
         st = status[p.peer_id]
         if st is PeerStatus.UNREACHABLE:

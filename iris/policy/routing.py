@@ -176,3 +176,20 @@ def first_unmatched(
 def matches(constraints: Iterable[Constraint], attributes: Mapping[str, Sequence[str]]) -> bool:
     """Whether a backend advertising ``attributes`` satisfies every constraint (SPEC §2)."""
     return first_unmatched(constraints, attributes) is None
+
+
+def resolve_cluster(name: str, known: Iterable[str]) -> str | None:
+    """The known cluster id ``name`` names: an exact match, else the only case-insensitive one."""
+    ids = list(known)
+    name = name.strip()
+    if name in ids:
+        return name
+    folded = [k for k in ids if k.lower() == name.lower()]
+    return folded[0] if len(folded) == 1 else None
+
+
+def pinned_cluster(target: str | None, known: Iterable[str]) -> str | None:
+    """A job's pin as a known cluster id when it resolves, else as given; None when unpinned."""
+    if not target or not target.strip():
+        return None
+    return resolve_cluster(target, known) or target.strip()

@@ -300,6 +300,12 @@ class TestPins:
             {},
         )
 
+    def test_pin_matches_the_cluster_id_case_insensitively(self) -> None:
+        result = tick(
+            [job("j", pin=" CW-A ")], HOME_CPU, peer("cw-a", h100("b", 8)), peer("cw-b", h100("b", 8))
+        )
+        assert where(result) == {"j": ("cw-a", "b")}
+
     def test_pinned_job_waits_for_an_unreachable_peer(self) -> None:
         result = tick([job("j", pin="cw")], HOME_CPU, peer("cw", reachable=False))
         assert where(result) == {}

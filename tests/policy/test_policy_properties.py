@@ -121,7 +121,7 @@ def job_shapes(draw: st.DrawFn, job_id: str, peer_ids: list[str]) -> JobShape:
             unique=True,
         )
     )
-    pin = draw(st.sampled_from([None] * 8 + [*peer_ids, "ghost"]))
+    pin = draw(st.sampled_from([None] * 8 + [*peer_ids, "ghost", "CW-0"]))
     return JobShape(
         job_id=job_id,
         constraints=tuple(constraints),
@@ -234,9 +234,9 @@ def test_placements_respect_pins_shape_reachability_and_cap(s: Scenario) -> None
         per_peer[p.peer_id] += 1
         assert status[p.peer_id] is PeerStatus.OK
         if job.target_cluster:
-            assert p.peer_id == job.target_cluster
+            assert p.peer_id.lower() == job.target_cluster.lower()
         if p.forced:
-            assert job.target_cluster == p.peer_id and p.backend_id == ""
+            assert job.target_cluster and p.backend_id == ""
             report = next(r for r in reports if r.peer_id == p.peer_id)
             assert not any(matches(job_constraints(job), b.advertised_attributes) for b in report.backends)
         else:
@@ -297,8 +297,8 @@ def test_classification_is_consistent_with_reports(s: Scenario) -> None:
         )
         assert result.reason
         if job.target_cluster:
-            known = {r.peer_id for r in reports}
-            expected = Disposition.REJECT if job.target_cluster not in known else None
+            known = {r.peer_id.lower() for r in reports}
+            expected = Disposition.REJECT if job.target_cluster.lower() not in known else None
             if expected is not None:
                 assert result.disposition is expected
             continue
