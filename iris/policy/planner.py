@@ -546,7 +546,8 @@ def _plan(
 
     placements: list[Placement] = []
     expired: list[str] = []
-    waiting: dict[tuple[int, Band, int, str | None], list[tuple[int, str]]] = {}
+    # Queue positions of the jobs left waiting, by what they wait for.
+    waiting: dict[tuple[int, Band, int, str | None], list[int]] = {}
     shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], _Class] = {}
     pins: dict[str, str | None] = {}
     for position, (_, _, job_id, index) in enumerate(order):
@@ -582,7 +583,7 @@ def _plan(
             if choice is None:
                 cls.fails_from[band] = need if cls.token is not None else 0
         if choice is None:
-            waiting.setdefault((cls.id, band, need, pin), []).append((position, job_id))
+            waiting.setdefault((cls.id, band, need, pin), []).append(position)
             continue
 
         b, preempts = choice
@@ -609,7 +610,7 @@ def _plan(
         )
 
     # Identical explanations merge into one group, whatever class, band or need produced them.
-    merged: dict[object, tuple[list[tuple[int, str]], WaitingGroup]] = {}
+    merged: dict[object, tuple[list[int], WaitingGroup]] = {}
     for (cid, band, need, pin), members in waiting.items():
         merge_key, summary, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
         entry = merged.get(merge_key)
@@ -621,8 +622,8 @@ def _plan(
     groups: list[tuple[int, WaitingGroup]] = []
     for members, group in merged.values():
         members.sort()
-        group.job_ids = [job_id for _, job_id in members]
-        groups.append((members[0][0], group))
+        group.job_ids = [order[position][2] for position in members]
+        groups.append((members[0], group))
     groups.sort(key=lambda item: item[0])
     return PlanResult(placements=placements, expired=expired, waiting=[group for _, group in groups])
 
