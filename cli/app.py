@@ -12,6 +12,7 @@ import typer
 from cli import common
 from cli.dev import dev_command
 from cli.job import job_app
+from iris.config import DEFAULT_DATA_DIR
 
 app = typer.Typer(
     name="iris",
@@ -42,11 +43,15 @@ def root(
 
 
 @app.command("worker")
-def worker_command() -> None:
+def worker_command(
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="Where the default SQLite federation store lives.")
+    ] = DEFAULT_DATA_DIR,
+) -> None:
     """Run a Temporal worker for the federation (workflows and activities) until interrupted."""
     from worker.main import run_worker
 
-    common.run(run_worker(common.config()))
+    common.run(run_worker(common.config(), data_dir))
 
 
 def main() -> None:

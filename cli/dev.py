@@ -12,9 +12,7 @@ import typer
 
 from cli import common
 from iris import devstack
-from iris.config import PROJECT_ROOT, FederationConfig, config_path
-
-DEFAULT_DATA_DIR = PROJECT_ROOT / ".data" / "dev"
+from iris.config import DEFAULT_DATA_DIR, FederationConfig, config_path, store_url
 
 
 def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
@@ -29,20 +27,29 @@ def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
     return ports
 
 
-async def _serve(cfg: FederationConfig) -> None:
+async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
+    from iris.store import FederationStore
     from iris.temporal import connect
-    from worker.main import build_worker
+    from worker.main import build_worker, ensure_manager
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     client = await connect(cfg)
-    async with build_worker(client, cfg):
-        typer.echo("worker: running on task queue " + cfg.temporal.task_queue)
-        typer.echo("\nReady. Try:  uv run iris job run -- echo hello      (Ctrl-C stops everything)")
-        await stop.wait()
-    typer.echo("\nstopping…")
+    url = store_url(cfg, data_dir)
+    store = FederationStore(url)
+    try:
+        async with build_worker(client, cfg, store):
+            await ensure_manager(client, cfg)
+            typer.echo(f"{'federation store':<28} {url}")
+            tick = f"placement tick every {cfg.tick_interval_s}s"
+            typer.echo(f"{'worker':<28} task queue {cfg.temporal.task_queue}, {tick}")
+            typer.echo("\nReady. Try:  uv run iris job run -- echo hello      (Ctrl-C stops everything)")
+            await stop.wait()
+            typer.echo("\nstopping…")
+    finally:
+        store.close()
 
 
 def dev_command(
@@ -80,7 +87,7 @@ def dev_command(
             typer.echo(f"{svc.name:<28} {svc.address}")
         devstack.ensure_buckets(cfg)
         typer.echo(f"{'logs':<28} {data_dir / 'logs'}")
-        asyncio.run(_serve(cfg))
+        asyncio.run(_serve(cfg, data_dir))
     except devstack.ServiceError as exc:
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         code = common.EXIT_UNAVAILABLE

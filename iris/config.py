@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
 CONFIG_ENV = "IRIS_CONFIG"
+# Where `iris dev` and a standalone `iris worker` keep state unless told otherwise.
+DEFAULT_DATA_DIR = PROJECT_ROOT / ".data" / "dev"
 
 
 class ConfigError(Exception):
@@ -139,6 +141,12 @@ class FederationConfig(BaseModel):
     clusters: list[ClusterConfig]
     s3_port: int = 9200
     gcs_port: int = 9201
+    # The federation store (queue handles, reservation ledger, reports). Empty = SQLite file in the
+    # data directory; IRIS_STORE_URL overrides (e.g. postgresql+psycopg://user@host/db).
+    store_url: str = ""
+    # The placement tick (SPEC §5): its period, and how many jobs one tick may send to one peer.
+    tick_interval_s: float = Field(default=1.0, gt=0, le=60)
+    max_per_peer_per_tick: int | None = Field(default=8, ge=1)
 
     @model_validator(mode="after")
     def _home_known(self) -> FederationConfig:
@@ -162,6 +170,14 @@ class FederationConfig(BaseModel):
     @property
     def cluster_names(self) -> list[str]:
         return [c.name for c in self.clusters]
+
+
+STORE_URL_ENV = "IRIS_STORE_URL"
+
+
+def store_url(config: FederationConfig, data_dir: Path) -> str:
+    """Where the federation store lives: env, then config, then a SQLite file under ``data_dir``."""
+    return os.environ.get(STORE_URL_ENV) or config.store_url or f"sqlite:///{data_dir / 'federation.db'}"
 
 
 def config_path(explicit: str | Path | None = None) -> Path:

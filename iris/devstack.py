@@ -199,24 +199,31 @@ def gcs_server(config: FederationConfig, data_dir: Path) -> ManagedProcess:
     )
 
 
-def controller(config_file: Path, config: FederationConfig, cluster: str, data_dir: Path) -> ManagedProcess:
+def controller(
+    config_file: Path, config: FederationConfig, cluster: str, data_dir: Path, *, port: int | None = None
+) -> ManagedProcess:
+    """One cluster's controller; ``port`` overrides the configured one (e.g. behind a proxy)."""
     c = config.cluster(cluster)
+    url = c.url if port is None else f"http://{c.host}:{port}"
+    argv = [
+        sys.executable,
+        "-m",
+        "iris.controller",
+        "--config",
+        str(config_file),
+        "--cluster",
+        cluster,
+        "--state-dir",
+        str(data_dir / "clusters" / cluster),
+    ]
+    if port is not None:
+        argv += ["--port", str(port)]
     return ManagedProcess(
         name=f"controller {cluster}",
-        argv=[
-            sys.executable,
-            "-m",
-            "iris.controller",
-            "--config",
-            str(config_file),
-            "--cluster",
-            cluster,
-            "--state-dir",
-            str(data_dir / "clusters" / cluster),
-        ],
+        argv=argv,
         log_path=data_dir / "logs" / f"controller-{cluster}.log",
-        ready=lambda: http_ok(f"{c.url}/v1/health"),
-        address=c.url,
+        ready=lambda: http_ok(f"{url}/v1/health"),
+        address=url,
     )
 
 

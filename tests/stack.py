@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from faultproxy import FaultProxy
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -22,9 +23,10 @@ from temporalio.worker import Worker
 
 from iris import devstack
 from iris.client import AsyncIrisClient
-from iris.config import FederationConfig, load_config
+from iris.config import FederationConfig, load_config, store_url
 from iris.jobs import SEARCH_ATTRIBUTE_KEYS
-from worker.main import build_worker
+from iris.store import FederationStore
+from worker.main import build_worker, ensure_manager
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -59,7 +61,9 @@ class Stack:
     data_dir: Path
     client: Client
     iris: AsyncIrisClient
+    store: FederationStore
     services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
+    proxies: dict[str, FaultProxy] = field(default_factory=dict)
 
     def cli_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}
@@ -103,6 +107,8 @@ class StackRunner:
         self.worker: Worker | None = None
         self.worker_task: asyncio.Task[None] | None = None
         self.services: list[devstack.ManagedProcess] = []
+        self.store: FederationStore | None = None
+        self.proxies: dict[str, FaultProxy] = {}
 
     async def start(self) -> Stack:
         self.env = await WorkflowEnvironment.start_local(
@@ -116,26 +122,40 @@ class StackRunner:
         config_file = self.root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
         os.environ.update(devstack.object_store_env(cfg))
+        # Each controller listens on an internal port; the federation reaches it through a fault
+        # proxy on the configured port, so tests can inject an outage at the moment of handoff.
+        internal = {c.name: devstack.free_port() for c in cfg.clusters}
         services = [
             devstack.s3_server(cfg, self.root),
             devstack.gcs_server(cfg, self.root),
-            *(devstack.controller(config_file, cfg, c.name, self.root) for c in cfg.clusters),
+            *(
+                devstack.controller(config_file, cfg, c.name, self.root, port=internal[c.name])
+                for c in cfg.clusters
+            ),
         ]
         for svc in services:
             svc.start()
             self.services.append(svc)
         for svc in services:
             await asyncio.to_thread(svc.wait_ready, 60)
+        for c in cfg.clusters:
+            proxy = FaultProxy(f"http://127.0.0.1:{internal[c.name]}")
+            await proxy.start(c.port)
+            self.proxies[c.name] = proxy
         await asyncio.to_thread(devstack.ensure_buckets, cfg)
-        self.worker = build_worker(self.env.client, cfg)
+        self.store = FederationStore(store_url(cfg, self.root))
+        self.worker = build_worker(self.env.client, cfg, self.store)
         self.worker_task = asyncio.create_task(self.worker.run())
+        await ensure_manager(self.env.client, cfg)
         return Stack(
             config=cfg,
             config_file=config_file,
             data_dir=self.root,
             client=self.env.client,
             iris=AsyncIrisClient(self.env.client, cfg),
+            store=self.store,
             services={s.name: s for s in services},
+            proxies=self.proxies,
         )
 
     async def stop(self) -> None:
@@ -143,7 +163,11 @@ class StackRunner:
             await self.worker.shutdown()
         if self.worker_task is not None:
             await asyncio.gather(self.worker_task, return_exceptions=True)
+        for proxy in self.proxies.values():
+            await proxy.stop()
         for svc in reversed(self.services):
             await asyncio.to_thread(svc.stop)
+        if self.store is not None:
+            self.store.close()
         if self.env is not None:
             await self.env.shutdown()

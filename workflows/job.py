@@ -1,7 +1,8 @@
-"""JobWorkflow: one durable workflow per job (SPEC §3, §4, §8).
+"""JobWorkflow: one durable workflow per job (SPEC §3–§8).
 
-classify → (run at home | queue → placement | reject) → hand off → mirror → terminal,
-with cancellation honoured at every step. No I/O here: activities do it, the policy decides.
+classify → run at home now | queue → placement signal → promotion CAS → artifact check → handoff
+→ mirror → terminal, with cancellation honoured at every step. No I/O here: activities do it and
+the policy decides.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.artifacts import ArtifactActivities, ArtifactInput
     from activities.peers import (
         HANDOFF_REJECTED,
         JOB_LOST,
@@ -23,6 +25,14 @@ with workflow.unsafe.imports_passed_through():
         MirrorInput,
         PeerActivities,
         TerminateInput,
+    )
+    from activities.store import (
+        CancelIntentInput,
+        EnqueueInput,
+        ExpireInput,
+        HandleStateInput,
+        PromoteInput,
+        StoreActivities,
     )
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
@@ -35,13 +45,18 @@ with workflow.unsafe.imports_passed_through():
         JobSpec,
         JobState,
         JobStatus,
-        Placement,
     )
-    from iris.policy import classify, pick_backend
-    from iris.policy.models import Disposition
+    from iris.policy import QUEUED_REASON, classify, pick_backend, queued_for_peer_reason
+    from iris.policy.models import Disposition, Placement
     from iris.reports import FederationView
+    from iris.store.models import HandleState, PromoteOutcome
 
+_QUICK = timedelta(seconds=30)
+_STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _REPORTS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
+_ARTIFACT_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10), maximum_attempts=5
+)
 _HANDOFF_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
@@ -50,7 +65,6 @@ _HANDOFF_RETRY = RetryPolicy(
     non_retryable_error_types=[HANDOFF_REJECTED],
 )
 _MIRROR_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
-_TERMINATE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 _MIRRORED: dict[ControllerJobState, JobState] = {
     ControllerJobState.PENDING: JobState.PENDING,
@@ -60,6 +74,19 @@ _MIRRORED: dict[ControllerJobState, JobState] = {
     ControllerJobState.KILLED: JobState.KILLED,
     ControllerJobState.WORKER_FAILED: JobState.FAILED,
 }
+_HANDLE_TERMINAL: dict[JobState, HandleState] = {
+    JobState.SUCCEEDED: HandleState.SUCCEEDED,
+    JobState.FAILED: HandleState.FAILED,
+    JobState.KILLED: HandleState.KILLED,
+    JobState.UNSCHEDULABLE: HandleState.UNSCHEDULABLE,
+    JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
+}
+CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
+
+
+class _Done(Exception):
+    """Internal: the job reached a terminal state on a path that unwinds the lifecycle."""
 
 
 @workflow.defn(name="JobWorkflow")
@@ -69,8 +96,12 @@ class JobWorkflow:
         self._status: JobStatus | None = None
         self._placement: Placement | None = None
         self._cancel: CancelRequest | None = None
-        # Set once the handoff is committed: from then on a cancel must go through the peer.
-        self._committed = False
+        self._expire = False
+        # The job's handle is in the federation queue (store); its transitions must be recorded.
+        self._queued = False
+        # Set in the workflow task that schedules the launch: from then on the job may be on a
+        # cluster, and a cancel has to go through that cluster.
+        self._delivered = False
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -81,23 +112,38 @@ class JobWorkflow:
 
     @workflow.signal
     def place(self, placement: Placement) -> None:
-        if self._placement is None:
+        """From the placement tick: promote the job to this (peer, backend)."""
+        if self._status is not None and self._status.state is JobState.QUEUED_HANDOFF:
             self._placement = placement
+
+    @workflow.signal
+    def explain(self, reason: str) -> None:
+        """From the placement tick: why the job is still queued (the pending reason)."""
+        if self._status is not None and self._status.state is JobState.QUEUED_HANDOFF:
+            self._set(JobState.QUEUED_HANDOFF, reason, record=False)
+
+    @workflow.signal
+    def expire(self) -> None:
+        """From the placement tick: the scheduling deadline passed."""
+        self._expire = True
 
     @workflow.signal
     def cancel(self, request: CancelRequest) -> None:
         self._request_cancel(request)
 
     @workflow.update
-    def cancel_job(self, request: CancelRequest) -> CancelOutcome:
-        """Cancel and say whether the cancel won the race against the handoff."""
+    async def cancel_job(self, request: CancelRequest) -> CancelOutcome:
+        """Cancel, and say whether the cancel won: won = the job was never delivered to a cluster."""
         st = self.status()
         if st.terminal:
             return CancelOutcome(won=False, state=st.state, message=f"job already ended as {st.state.value}")
-        won = not self._committed
         self._request_cancel(request)
-        if won:
-            return CancelOutcome(won=True, state=st.state, message="cancelled before handoff")
+        await workflow.wait_condition(lambda: self._delivered or self.status().terminal)
+        st = self.status()
+        if not self._delivered:
+            return CancelOutcome(
+                won=True, state=st.state, message="cancelled before handoff; never delivered"
+            )
         return CancelOutcome(
             won=False,
             state=st.state,
@@ -120,26 +166,46 @@ class JobWorkflow:
         self._status.events.append(JobEvent(at_ms=self._now_ms(), state=state, message=message))
         self._status.updated_ms = self._now_ms()
 
-    def _set(self, state: JobState, reason: str, *, cluster: str | None = None) -> None:
+    def _set(self, state: JobState, reason: str, *, cluster: str | None = None, record: bool = True) -> None:
         st = self._status
         assert st is not None
         changed = state != st.state or reason != st.reason
         st.state = state
         st.reason = reason
+        st.updated_ms = self._now_ms()
         updates = [SA_STATE.value_set(state.value)]
         if cluster is not None and cluster != st.cluster:
             st.cluster = cluster
             updates.append(SA_PEER.value_set(cluster))
             changed = True
-        if changed:
+        if changed and record:
             self._event(state, reason)
         workflow.upsert_search_attributes(updates)
         workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
 
-    def _finish(self, state: JobState, reason: str) -> JobStatus:
+    async def _finish(self, state: JobState, reason: str) -> JobStatus:
         self._set(state, reason)
+        if self._queued and state in _HANDLE_TERMINAL:
+            await self._handle_state(_HANDLE_TERMINAL[state], reason)
         assert self._status is not None
         return self._status
+
+    @property
+    def _incarnation(self) -> str:
+        # Minted once per job incarnation; stable across retries and workflow resets.
+        assert self._spec is not None
+        return f"{self._spec.job_id}@{self._spec.submit_ms}"
+
+    async def _handle_state(self, state: HandleState, reason: str | None = None) -> None:
+        assert self._spec is not None
+        await workflow.execute_activity_method(
+            StoreActivities.set_handle_state,
+            HandleStateInput(
+                job_id=self._spec.job_id, incarnation=self._incarnation, state=state, reason=reason
+            ),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_STORE_RETRY,
+        )
 
     # ---- the lifecycle --------------------------------------------------------------------
 
@@ -155,17 +221,17 @@ class JobWorkflow:
         )
         self._set(JobState.CLASSIFYING, "Classifying against the federation's capacity reports")
         try:
-            return await self._lifecycle(spec)
+            result = await self._lifecycle(spec)
         except asyncio.CancelledError:
             # Temporal's own cancel converges on the same path as the signal and the update.
             self._request_cancel(CancelRequest(reason="Cancelled through Temporal"))
-            return await self._after_cancel(spec)
+            result = await self._after_temporal_cancel(spec)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        return result
 
     async def _lifecycle(self, spec: JobSpec) -> JobStatus:
         view = await workflow.execute_activity_method(
-            PeerActivities.fetch_reports,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=_REPORTS_RETRY,
+            PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
         )
         shape = spec.shape()
         decision = classify(
@@ -182,60 +248,119 @@ class JobWorkflow:
         self._event(JobState.CLASSIFYING, f"classified {decision.disposition.value}: {decision.reason}")
 
         if decision.disposition is Disposition.REJECT:
-            return self._finish(JobState.REJECTED, decision.reason)
+            return await self._finish(JobState.REJECTED, decision.reason)
         if self._cancel is not None:
-            return self._finish(JobState.KILLED, "Cancelled before handoff")
-
+            return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if decision.disposition is Disposition.LOCAL:
-            target = view.home
-            backend = self._backend_for(view, target)
-        elif decision.pinned_cluster is not None:
-            target = decision.pinned_cluster
-            backend = self._backend_for(view, target)
-        else:
-            placement = await self._wait_for_placement(shape.deadline_ms)
-            if placement is None:
-                if self._cancel is not None:
-                    return self._finish(JobState.KILLED, "Cancelled before handoff")
-                return self._finish(
-                    JobState.UNSCHEDULABLE, "Scheduling timeout passed before any cluster had room"
-                )
-            target, backend = placement.cluster, placement.backend_id
+            return await self._deliver(spec, view, view.home, self._backend_for(view, view.home))
 
-        if self._cancel is not None:
-            return self._finish(JobState.KILLED, "Cancelled before handoff")
-        return await self._hand_off(spec, view.home, target, backend)
+        await workflow.execute_activity_method(
+            StoreActivities.enqueue_job,
+            EnqueueInput(shape=shape, incarnation=self._incarnation),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_STORE_RETRY,
+        )
+        self._queued = True
+        pin = decision.pinned_cluster
+        self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(pin) if pin else QUEUED_REASON)
+        placement = await self._await_promotion(spec)
+        if isinstance(placement, JobStatus):
+            return placement
+        # A force-routed placement names no backend (SPEC §5): the peer gets its best guess.
+        backend = placement.backend_id or self._backend_for(view, placement.peer_id)
+        return await self._deliver(spec, view, placement.peer_id, backend)
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
         report = view.report(cluster)
         assert self._spec is not None
         chosen = pick_backend(self._spec.shape(), report) if report is not None else None
         if chosen is None and report is not None and report.backends:
-            # Force-route (SPEC §5): a pinned peer that advertises no matching shape still gets the
-            # job; its controller accepts or refuses it.
             chosen = report.backends[0].backend_id
         return chosen or ""
 
-    async def _wait_for_placement(self, deadline_ms: int | None) -> Placement | None:
-        self._set(JobState.QUEUED_HANDOFF, "Queued for a federation peer to report free capacity")
-        timeout = None
-        if deadline_ms is not None:
-            timeout = timedelta(milliseconds=max(0, deadline_ms - self._now_ms()))
-        try:
-            await workflow.wait_condition(
-                lambda: self._placement is not None or self._cancel is not None, timeout=timeout
+    async def _await_promotion(self, spec: JobSpec) -> Placement | JobStatus:
+        """Wait in QUEUED_HANDOFF for a placement, then promote by CAS; a failed CAS waits again."""
+        deadline_ms = spec.shape().deadline_ms
+        while True:
+            timeout = None
+            if deadline_ms is not None:
+                timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
+            try:
+                await workflow.wait_condition(
+                    lambda: self._placement is not None or self._cancel is not None or self._expire,
+                    timeout=timeout,
+                )
+            except TimeoutError:
+                self._expire = True
+            if self._cancel is not None:
+                return await self._cancel_queued()
+            if self._expire:
+                await workflow.execute_activity_method(
+                    StoreActivities.expire_job,
+                    ExpireInput(job_id=spec.job_id, incarnation=self._incarnation),
+                    start_to_close_timeout=_QUICK,
+                    retry_policy=_STORE_RETRY,
+                )
+                return await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
+            placement = self._placement
+            assert placement is not None
+            self._placement = None
+            # The CAS runs only while this workflow's cancellation state is clear; shielded so a
+            # Temporal cancel never abandons it half-way (the store then decides who won).
+            result = await asyncio.shield(
+                workflow.execute_activity_method(
+                    StoreActivities.promote_job,
+                    PromoteInput(job_id=spec.job_id, incarnation=self._incarnation, placement=placement),
+                    start_to_close_timeout=_QUICK,
+                    retry_policy=_STORE_RETRY,
+                )
             )
-        except TimeoutError:
-            return None
-        return None if self._cancel is not None else self._placement
+            target = f"{placement.peer_id}/{placement.backend_id or '-'}"
+            if result.promoted:
+                backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
+                self._event(JobState.QUEUED_HANDOFF, f"promoted to {target}: {placement.reason or 'placed'}")
+                return placement.model_copy(update={"backend_id": backend})
+            handle = result.handle
+            if result.outcome is PromoteOutcome.CANCELLED or (handle is not None and handle.cancel_requested):
+                return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+            if result.outcome is PromoteOutcome.EXPIRED or (
+                handle is not None and handle.state is HandleState.UNSCHEDULABLE
+            ):
+                return await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
+            self._event(JobState.QUEUED_HANDOFF, f"promotion to {target} refused: {result.message}")
+            self._set(JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", record=False)
 
-    async def _hand_off(self, spec: JobSpec, home: str, cluster: str, backend: str) -> JobStatus:
-        # The commit point: flipped in the same workflow task that schedules the launch, so a
-        # cancel either lands before it (and wins) or after it (and is routed to the peer).
-        self._committed = True
+    async def _cancel_queued(self) -> JobStatus:
+        """Record the cancel intent in the store; either way the job is never delivered."""
+        assert self._spec is not None and self._cancel is not None
+        outcome = await workflow.execute_activity_method(
+            StoreActivities.record_cancel,
+            CancelIntentInput(job_id=self._spec.job_id, reason=self._cancel.reason),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_STORE_RETRY,
+        )
+        if not outcome.won:
+            self._event(JobState.PENDING_HANDOFF, "cancel arrived after promotion; the job is not handed off")
+        return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+
+    async def _deliver(self, spec: JobSpec, view: FederationView, cluster: str, backend: str) -> JobStatus:
+        """Artifact check, handoff and mirror on ``cluster`` (the home cluster included)."""
         assert self._status is not None
         self._status.backend_id = backend
-        self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}", cluster=cluster)
+        self._set(JobState.PENDING_HANDOFF, f"Promoted to {cluster}; preparing the handoff", cluster=cluster)
+        if self._cancel is not None:
+            return (
+                await self._cancel_queued()
+                if self._queued
+                else await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+            )
+        if spec.artifacts:
+            parked = await self._check_artifacts(spec, cluster)
+            if parked is not None:
+                return parked
+        self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
+        # The delivery commit point: set in the same workflow task that schedules the launch.
+        self._delivered = True
         request = LaunchRequest(
             job_id=spec.job_id,
             command=spec.command,
@@ -243,34 +368,66 @@ class JobWorkflow:
             device=spec.device,
             band=spec.band,
             user=spec.user,
-            requester=home,
-            nonce=f"{spec.job_id}@{spec.submit_ms}",
+            requester=view.home,
+            nonce=self._incarnation,
             backend_id=backend,
         )
         try:
             launched = await workflow.execute_activity_method(
                 PeerActivities.launch_job,
                 LaunchInput(cluster=cluster, request=request),
-                start_to_close_timeout=timedelta(seconds=30),
+                start_to_close_timeout=_QUICK,
                 retry_policy=_HANDOFF_RETRY,
                 cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             )
         except ActivityError as exc:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
-                return self._finish(JobState.HANDOFF_REJECTED, cause.message)
+                return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
             return await self._park(f"Handoff to {cluster} failed after retries: {cause or exc}")
-        if cluster != home:
+        if cluster != view.home:
             self._set(JobState.HANDED_OFF, f"Accepted by {cluster}")
         else:
             self._event(JobState.HANDED_OFF, f"Accepted by the home cluster {cluster}")
-        return await self._mirror(cluster, launched)
+        if self._queued:
+            await self._handle_state(HandleState.HANDED_OFF)
+        status = await self._mirror(cluster, launched)
+        if self._queued and status.state in _HANDLE_TERMINAL:
+            await self._handle_state(_HANDLE_TERMINAL[status.state])
+        return status
+
+    async def _check_artifacts(self, spec: JobSpec, cluster: str) -> JobStatus | None:
+        self._set(
+            JobState.PENDING_HANDOFF,
+            f"Checking {len(spec.artifacts)} artifact(s) in {cluster}'s object store",
+        )
+        try:
+            report = await workflow.execute_activity_method(
+                ArtifactActivities.check_artifacts,
+                ArtifactInput(cluster=cluster, uris=spec.artifacts),
+                start_to_close_timeout=_QUICK,
+                retry_policy=_ARTIFACT_RETRY,
+            )
+        except ActivityError as exc:
+            return await self._park(f"Cannot check artifacts in {cluster}'s object store: {exc.cause or exc}")
+        if report.missing:
+            more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
+            return await self._park(report.reasons[0] + more)
+        if self._cancel is not None:
+            return (
+                await self._cancel_queued()
+                if self._queued
+                else await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+            )
+        return None
 
     async def _park(self, reason: str) -> JobStatus:
         """HANDOFF_FAILED waits for an operator (SPEC §9) or a cancel; never dropped silently."""
         self._set(JobState.HANDOFF_FAILED, reason)
+        if self._queued:
+            await self._handle_state(HandleState.HANDOFF_FAILED, reason)
         await workflow.wait_condition(lambda: self._cancel is not None)
-        return self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
+        return await self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
 
     def _apply(self, remote: ControllerJobStatus) -> None:
         assert self._status is not None
@@ -319,12 +476,14 @@ class JobWorkflow:
                 cause = exc.cause
                 if isinstance(cause, ApplicationError) and cause.type == JOB_LOST:
                     if terminated:
-                        return self._finish(JobState.KILLED, f"Killed; {cluster} no longer knows the job")
-                    return self._finish(JobState.FAILED, cause.message)
+                        return await self._finish(
+                            JobState.KILLED, f"Killed; {cluster} no longer knows the job"
+                        )
+                    return await self._finish(JobState.FAILED, cause.message)
                 raise
             self._apply(remote)
         if self._cancel is not None and remote.state is ControllerJobState.KILLED:
-            return self._finish(JobState.KILLED, f"Cancelled on {cluster}: {self._cancel.reason}")
+            self._set(JobState.KILLED, f"Cancelled on {cluster}: {self._cancel.reason}")
         assert self._status is not None
         return self._status
 
@@ -332,20 +491,36 @@ class JobWorkflow:
         return handle.done() or (self._cancel is not None and not terminated)
 
     async def _terminate(self, cluster: str, job_id: str) -> None:
-        self._event(self._status.state if self._status else JobState.KILLED, f"terminating on {cluster}")
+        assert self._status is not None
+        self._event(self._status.state, f"terminating on {cluster}")
         await workflow.execute_activity_method(
             PeerActivities.terminate_job,
             TerminateInput(cluster=cluster, job_id=job_id),
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=_TERMINATE_RETRY,
+            start_to_close_timeout=_QUICK,
+            retry_policy=_MIRROR_RETRY,
         )
 
-    async def _after_cancel(self, spec: JobSpec) -> JobStatus:
+    async def _after_temporal_cancel(self, spec: JobSpec) -> JobStatus:
         st = self._status
         assert st is not None
-        if not self._committed or st.cluster is None:
-            return self._finish(JobState.KILLED, "Cancelled before handoff")
+        if st.terminal:
+            return st
+        if not self._delivered or st.cluster is None:
+            if self._queued:
+                return await self._cancel_queued()
+            return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if st.state is JobState.HANDOFF_FAILED:
-            return self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
-        await self._terminate(st.cluster, spec.job_id)
-        return self._finish(JobState.KILLED, f"Cancelled on {st.cluster}: Cancelled through Temporal")
+            return await self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
+        current = await workflow.execute_activity_method(
+            PeerActivities.mirror_job,
+            MirrorInput(cluster=st.cluster, job_id=spec.job_id, known_state=None),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_MIRROR_RETRY,
+        )
+        status = await self._mirror(st.cluster, current)
+        if self._queued and status.state in _HANDLE_TERMINAL:
+            await self._handle_state(_HANDLE_TERMINAL[status.state])
+        return status
+
+
+__all__ = ["JobWorkflow"]

@@ -127,6 +127,17 @@ class BackendRuntime:
     cpu_free: int
     # Pending jobs per resource, each served strictly in (band, arrival) order.
     queues: dict[str, list[JobRecord]] = field(default_factory=dict)
+    # The capacity observation: when this backend's slot state last changed. The federation's
+    # reservations stay charged against it until the next change, so a job handed off but not
+    # yet started is never offered to a second job (SPEC §5 "same observation").
+    observed_ms: int = field(default_factory=lambda: now_ms())
+
+    def changed(self) -> None:
+        self.observed_ms = max(now_ms(), self.observed_ms + 1)
+
+    def pending(self, resource: str) -> int:
+        """Chips already promised to jobs waiting here: not free for anyone else."""
+        return sum(demand_for(self.config, j.device).total for j in self.queues.get(resource, []))
 
     def fits(self, demand: Demand) -> bool:
         if demand.is_cpu:
@@ -392,7 +403,6 @@ class Executor:
 
     def availability(self) -> list[BackendReport]:
         """The capacity report, computed from the live slot state (SPEC §5)."""
-        observed = now_ms()
         held: dict[str, dict[Band, dict[str, int]]] = {b: {} for b in self.backends}
         for job in self.jobs.values():
             if job.state is not ControllerJobState.RUNNING:
@@ -412,8 +422,8 @@ class Executor:
                     backend_id=bid,
                     advertised_attributes=backend.config.attributes,
                     availability=Availability(
-                        observation_epoch_ms=observed,
-                        amounts={t: p.free for t, p in backend.pools.items()},
+                        observation_epoch_ms=backend.observed_ms,
+                        amounts={t: max(0, p.free - backend.pending(t)) for t, p in backend.pools.items()},
                         total_amounts={t: p.total for t, p in backend.pools.items()},
                         held_by_band=[
                             HeldByBand(band=band, amounts=amounts)
@@ -434,12 +444,14 @@ class Executor:
         queue = backend.queues.setdefault(self._demand(job).resource, [])
         queue.append(job)
         queue.sort(key=lambda j: (int(j.band), j.seq))
+        backend.changed()
 
     def _dequeue(self, job: JobRecord) -> None:
         backend = self.backends[job.backend_id]
         queue = backend.queues.get(self._demand(job).resource, [])
         with contextlib.suppress(ValueError):
             queue.remove(job)
+        backend.changed()
 
     def _schedule(self) -> None:
         """Start queue heads while they fit; a head that does not fit blocks its queue (no starving)."""
@@ -466,6 +478,7 @@ class Executor:
             task.state = ControllerJobState.RUNNING
         job.state = ControllerJobState.RUNNING
         job.started_ms = now_ms()
+        backend.changed()
         self.store.save(job)
         run = _Run()
         self._runs[job.job_id] = run
@@ -479,6 +492,7 @@ class Executor:
                 backend.cpu_free += 1
             else:
                 backend.pools[demand.resource].give(task.slots)
+        backend.changed()
 
     def _job_env(self, job: JobRecord, index: int, slots: list[int]) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}

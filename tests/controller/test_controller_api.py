@@ -47,6 +47,26 @@ async def test_health_and_backends(open_controller: Controller) -> None:
     assert cpu.availability.held_by_band == []
 
 
+async def test_observation_changes_only_when_capacity_does(open_controller: Controller) -> None:
+    """Reservations are charged per observation: an idle backend must keep its observation."""
+
+    async def gpu_observation(c: ControllerClient) -> int:
+        report = next(b for b in (await c.backends()).backends if b.backend_id == "gpu")
+        assert report.availability is not None
+        return report.availability.observation_epoch_ms
+
+    async with open_controller.client() as c:
+        first = await gpu_observation(c)
+        assert await gpu_observation(c) == first
+        st = await c.launch(request(py("import time; time.sleep(60)"), job_id="obs/a", gpus=2))
+        assert st.state is S.RUNNING
+        after_start = await gpu_observation(c)
+        assert after_start > first
+        assert await gpu_observation(c) == after_start
+        await c.terminate("obs/a")
+        assert await gpu_observation(c) > after_start
+
+
 async def test_success_logs_and_env(open_controller: Controller) -> None:
     code = (
         "import os; print('hello'); "
@@ -243,9 +263,11 @@ async def test_slot_accounting_queue_and_bands(tmp_path: Path) -> None:
                 == sorted(set(range(8)) - set((await c.status("q/b")).tasks[0].slots))[:4]
             )
             assert (await c.status("q/batch")).state is S.PENDING
-            assert await avail() == ({"h100": 2}, {1: {"h100": 6}})
-            # A pending job can be terminated: it never runs.
+            # 2 chips are idle, but the waiting batch job (4) is promised them: nothing is free.
+            assert await avail() == ({"h100": 0}, {1: {"h100": 6}})
+            # A pending job can be terminated: it never runs, and its promise is released.
             assert (await c.terminate("q/batch")).state is S.KILLED
+            assert await avail() == ({"h100": 2}, {1: {"h100": 6}})
             for job in ("q/b", "q/late-prod"):
                 await c.terminate(job)
             assert await avail() == ({"h100": 8}, {})

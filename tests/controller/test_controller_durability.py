@@ -40,7 +40,9 @@ for s in slots:
     except FileExistsError:
         (d / f"violation-{name}-{s}").touch()
 marker = d / f"running-{name}-{os.environ['IRIS_REPLICA_INDEX']}"
-marker.write_text(",".join(slots))
+tmp = d / f"tmp-{name}-{os.environ['IRIS_REPLICA_INDEX']}"
+tmp.write_text(",".join(slots))
+tmp.rename(marker)  # atomic: a reader never sees a half-written marker
 while not (d / f"release-{name}").exists():
     time.sleep(0.05)
 for s in slots:
@@ -77,7 +79,11 @@ async def check_consistent(c: ControllerClient, d: Path) -> list[JobStatus]:
     report = (await c.backends()).backends[0].availability
     assert report is not None
     assert report.total_amounts == {"h100": TOTAL_SLOTS}
-    assert report.amounts == {"h100": TOTAL_SLOTS - len(assigned)}
+    # Idle chips promised to jobs waiting here are not offered as free.
+    if any(j.state is S.PENDING for j in jobs):
+        assert 0 <= report.amounts["h100"] <= TOTAL_SLOTS - len(assigned)
+    else:
+        assert report.amounts == {"h100": TOTAL_SLOTS - len(assigned)}
     held: dict[int, int] = {}
     for j in running:
         held[int(j.band)] = held.get(int(j.band), 0) + sum(len(t.slots) for t in j.tasks)
@@ -115,7 +121,7 @@ async def test_fifty_concurrent_launches_never_overcommit(tmp_path: Path) -> Non
                     a = (await c.backends()).backends[0].availability
                     assert a is not None
                     used = sum(h.amounts.get("h100", 0) for h in a.held_by_band)
-                    assert a.amounts["h100"] >= 0 and a.amounts["h100"] + used == TOTAL_SLOTS
+                    assert a.amounts["h100"] >= 0 and a.amounts["h100"] + used <= TOTAL_SLOTS
                     assert len(held_by_processes(d)) <= TOTAL_SLOTS
                     seen += 1
                 return seen

@@ -133,23 +133,28 @@ async def test_duplicate_job_id_is_refused(stack: Stack) -> None:
 
 
 async def test_unpinned_gpu_job_waits_queued_with_a_reason_and_cancels_before_handoff(stack: Stack) -> None:
+    # 3 replicas × 8 H100 on one backend: every peer has the shape, none has 24 chips.
     res = await stack.cli(
-        "job", "run", "--no-wait", "--device-type", "h100", "--gpu-count", "8",
+        "job", "run", "--no-wait", "--device-type", "h100", "--gpu-count", "8", "--replicas", "3",
         "--job-name", "queued", "--", "true",
     )  # fmt: skip
     assert res.code == 0, res.stderr
     job_id = "tester/queued"
 
-    async def queued() -> bool:
-        return (await stack.iris.describe(job_id)).state is JobState.QUEUED_HANDOFF
+    async def explained() -> bool:
+        st = await stack.iris.describe(job_id)
+        return st.state is JobState.QUEUED_HANDOFF and "h100" in st.reason
 
-    await wait_until(queued, what="QUEUED_HANDOFF")
+    await wait_until(explained, what="QUEUED_HANDOFF with the tick's explanation")
     st = await stack.iris.describe(job_id)
     assert st.disposition == "queue"
-    assert st.reason == "Queued for a federation peer to report free capacity"
-    listed = await stack.cli("job", "list", "--state", "QUEUED_HANDOFF")
-    assert job_id in listed.stdout
+    assert st.events[-1].message == "Queued for a federation peer to report free capacity"
+    assert "24" in st.reason  # what it needs, said per peer
 
+    async def listed() -> bool:
+        return job_id in (await stack.cli("job", "list", "--state", "QUEUED_HANDOFF")).stdout
+
+    await wait_until(listed, what="the job in `iris job list --state QUEUED_HANDOFF`")
     cancel = await stack.cli("job", "cancel", job_id)
     assert cancel.code == 0, cancel.stderr
     assert "cancel won" in cancel.stdout

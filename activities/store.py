@@ -1,0 +1,108 @@
+"""Activities over the federation store: enqueue, the promotion CAS, cancel intent, expiry, state.
+
+Each is one store transaction run in a thread (the store is synchronous SQLAlchemy); the rules
+live in the store (the CAS) and the policy (capacity), not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pydantic import BaseModel
+from temporalio import activity
+
+from iris.policy.models import JobShape, Placement
+from iris.store import FederationStore
+from iris.store.models import CancelResult, HandleState, JobHandle, PromoteResult
+
+
+def manager_workflow_id(task_queue: str) -> str:
+    """One placement manager per task queue (one federation per queue)."""
+    return f"iris-placement-manager/{task_queue}"
+
+
+class EnqueueInput(BaseModel):
+    shape: JobShape
+    incarnation: str
+
+
+class PromoteInput(BaseModel):
+    job_id: str
+    incarnation: str
+    placement: Placement
+
+
+class CancelIntentInput(BaseModel):
+    job_id: str
+    reason: str
+
+
+class ExpireInput(BaseModel):
+    job_id: str
+    incarnation: str
+
+
+class HandleStateInput(BaseModel):
+    job_id: str
+    incarnation: str
+    state: HandleState
+    reason: str | None = None
+
+
+class StoreActivities:
+    def __init__(self, store: FederationStore, task_queue: str, *, wake_debounce_s: float = 0.05) -> None:
+        self._store = store
+        self._manager_id = manager_workflow_id(task_queue)
+        self._debounce = wake_debounce_s
+        self._last_wake = 0.0
+
+    async def _wake_manager(self) -> None:
+        # Many submissions in a burst need one wake-up, not one signal each.
+        now = time.monotonic()
+        if now - self._last_wake < self._debounce:
+            return
+        self._last_wake = now
+        try:
+            await activity.client().get_workflow_handle(self._manager_id).signal("wake")
+        except Exception as exc:  # the periodic tick still finds the job; waking is an optimisation
+            activity.logger.warning("could not wake the placement manager: %s", exc)
+
+    @activity.defn
+    async def enqueue_job(self, inp: EnqueueInput) -> JobHandle:
+        """Put the job's handle in the federation queue (idempotent) and wake the placement tick."""
+        handle = JobHandle(
+            job_id=inp.shape.job_id,
+            incarnation=inp.incarnation,
+            state=HandleState.QUEUED_HANDOFF,
+            shape=inp.shape,
+            band=inp.shape.band,
+            submit_ms=inp.shape.submit_ms,
+            deadline_ms=inp.shape.deadline_ms,
+            updated_ms=int(time.time() * 1000),
+        )
+        stored = await asyncio.to_thread(self._store.enqueue, handle)
+        await self._wake_manager()
+        return stored
+
+    @activity.defn
+    async def promote_job(self, inp: PromoteInput) -> PromoteResult:
+        """The compare-and-swap of SPEC §6, in one store transaction."""
+        return await asyncio.to_thread(
+            self._store.promote, inp.job_id, inp.incarnation, inp.placement, int(time.time() * 1000)
+        )
+
+    @activity.defn
+    async def record_cancel(self, inp: CancelIntentInput) -> CancelResult:
+        """Record the cancel intent; whichever of cancel and promotion commits first wins."""
+        return await asyncio.to_thread(self._store.record_cancel, inp.job_id, inp.reason)
+
+    @activity.defn
+    async def expire_job(self, inp: ExpireInput) -> bool:
+        return await asyncio.to_thread(
+            self._store.expire, inp.job_id, inp.incarnation, int(time.time() * 1000)
+        )
+
+    @activity.defn
+    async def set_handle_state(self, inp: HandleStateInput) -> None:
+        await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)

@@ -1,0 +1,101 @@
+"""A worker SIGKILLed mid-lifecycle and restarted: the job completes, handed off once (SPEC §11.1, §11.5)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from stack import Stack, wait_until
+
+from iris import devstack
+from iris.client import AsyncIrisClient
+from iris.config import FederationConfig
+from iris.controller.client import ControllerClient
+from iris.jobs import JobState
+
+
+class WorkerProcess:
+    """`iris worker` as its own process, on its own task queue and federation store."""
+
+    def __init__(self, config_file: Path, data_dir: Path) -> None:
+        self.config_file = config_file
+        self.data_dir = data_dir
+        self.proc: devstack.ManagedProcess | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.proc = devstack.ManagedProcess(
+            name="worker",
+            argv=[
+                str(Path(sys.executable).parent / "iris"),
+                "--config",
+                str(self.config_file),
+                "worker",
+                "--data-dir",
+                str(self.data_dir),
+            ],
+            log_path=self.data_dir / f"worker-{self.starts}.log",
+            ready=lambda: True,
+            address="",
+        )
+        self.proc.start()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@pytest.fixture
+async def own_worker(stack: Stack, tmp_path: Path) -> AsyncIterator[tuple[WorkerProcess, AsyncIrisClient]]:
+    cfg: FederationConfig = stack.config.model_copy(deep=True)
+    cfg.temporal.task_queue = f"iris-crash-{tmp_path.name}"
+    cfg.store_url = f"sqlite:///{tmp_path / 'federation.db'}"
+    config_file = tmp_path / "crash.json"
+    config_file.write_text(cfg.model_dump_json())
+    worker = WorkerProcess(config_file, tmp_path)
+    worker.start()
+    try:
+        yield worker, AsyncIrisClient(stack.client, cfg)
+    finally:
+        worker.stop()
+
+
+async def _handoffs(stack: Stack, cluster: str, job_id: str) -> int:
+    async with ControllerClient(stack.config.cluster(cluster).url) as ctl:
+        return (await ctl.status(job_id)).attempts
+
+
+@pytest.mark.timeout(240)
+async def test_worker_killed_while_mirroring_and_while_queued_loses_nothing(
+    stack: Stack, own_worker: tuple[WorkerProcess, AsyncIrisClient]
+) -> None:
+    worker, iris = own_worker
+    running = await iris.submit(
+        ["sh", "-c", "sleep 4; echo survived"], name="crash-run", target_cluster="cw-rno2a"
+    )
+
+    async def is_running() -> bool:
+        return (await iris.describe(running)).state is JobState.RUNNING
+
+    await wait_until(is_running, timeout=60, what="the job to run before the kill")
+    worker.kill()
+    # With no worker at all, a new job is accepted and waits durably.
+    queued = await iris.submit(
+        ["echo", "queued while down"], name="crash-queued", device_type="h100", gpu_count=8
+    )
+    worker.start()
+    final = await iris.wait(running, timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert await _handoffs(stack, "cw-rno2a", running) == 1
+    assert [e.state for e in final.events].count(JobState.HANDED_OFF) == 1
+    later = await iris.wait(queued, timeout_s=120)
+    assert later.state is JobState.SUCCEEDED, later.reason
+    assert later.cluster is not None
+    assert await _handoffs(stack, later.cluster, queued) == 1

@@ -1,0 +1,225 @@
+"""The durable lifecycle on the real stack (SPEC §3, §5–§8): queue → tick → CAS promotion →
+artifact check → handoff → mirror, with refusals, outages, deadlines, contention and cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import boto3
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from stack import Stack, wait_until
+
+from iris.controller.client import ControllerClient
+from iris.controller.errors import NotFound
+from iris.controller.models import JobStatus as ControllerJobStatus
+from iris.jobs import JobState, JobStatus
+from iris.store.models import HandleState
+
+H100 = {"device_type": "h100", "gpu_count": 8}
+
+
+async def remote(stack: Stack, cluster: str, job_id: str) -> ControllerJobStatus | None:
+    async with ControllerClient(stack.config.cluster(cluster).url) as ctl:
+        try:
+            return await ctl.status(job_id)
+        except NotFound:
+            return None
+
+
+async def where(stack: Stack, job_id: str) -> list[str]:
+    """Every cluster that ever received the job (the peers' own record)."""
+    found = []
+    for name in stack.config.cluster_names:
+        if await remote(stack, name, job_id) is not None:
+            found.append(name)
+    return found
+
+
+async def wait_state(stack: Stack, job_id: str, *states: JobState, timeout: float = 60) -> JobStatus:
+    async def reached() -> bool:
+        return (await stack.iris.describe(job_id)).state in states
+
+    await wait_until(reached, timeout=timeout, what=f"{job_id} in {states}")
+    return await stack.iris.describe(job_id)
+
+
+def put_s3(stack: Stack, bucket: str, key: str) -> None:
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{stack.config.s3_port}",
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
+
+
+def put_gcs(stack: Stack, bucket: str, key: str) -> None:
+    client = storage.Client(
+        project="test",
+        credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
+        client_options={"api_endpoint": f"http://127.0.0.1:{stack.config.gcs_port}"},
+    )
+    client.bucket(bucket).blob(key).upload_from_string(b"shard")
+
+
+async def test_queued_job_is_placed_promoted_checked_handed_off_and_mirrored(stack: Stack) -> None:
+    for bucket in ("cw-us-east-02a-artifacts", "cw-rno2a-artifacts"):
+        await asyncio.to_thread(put_s3, stack, bucket, "data/shard-0")
+    job_id = await stack.iris.submit(
+        ["sh", "-c", "echo training on $IRIS_CLUSTER with $CUDA_VISIBLE_DEVICES"],
+        name="spill",
+        artifacts=["s3://cw-rno2a-artifacts/data/shard-0"],
+        **H100,
+    )
+    final = await stack.iris.wait(job_id, timeout_s=90)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert final.disposition == "queue"
+    assert final.cluster in {"cw-us-east-02a", "cw-rno2a"}
+    states = [e.state for e in final.events]
+    for expected in (
+        JobState.QUEUED_HANDOFF,
+        JobState.PENDING_HANDOFF,
+        JobState.HANDED_OFF,
+        JobState.SUCCEEDED,
+    ):
+        assert expected in states, states
+    assert any("promoted to" in e.message for e in final.events)
+    assert any("Checking 1 artifact" in e.message for e in final.events)
+    # Handed off exactly once, to exactly one cluster.
+    assert await where(stack, job_id) == [final.cluster]
+    peer_view = await remote(stack, final.cluster, job_id)
+    assert peer_view is not None and peer_view.attempts == 1
+    handle = await asyncio.to_thread(stack.store.get, job_id)
+    assert handle is not None and handle.state is HandleState.SUCCEEDED
+    logs = await stack.iris.logs(job_id)
+    assert f"training on {final.cluster} with 0,1,2,3,4,5,6,7" in logs.data
+
+
+async def test_missing_artifact_parks_the_job_with_its_name(stack: Stack) -> None:
+    uri = "s3://cw-rno2a-artifacts/nope/missing.bin"
+    job_id = await stack.iris.submit(["true"], name="no-artifact", target_cluster="cw-rno2a", artifacts=[uri])
+    st = await wait_state(stack, job_id, JobState.HANDOFF_FAILED)
+    assert uri in st.reason and "missing in cw-rno2a's object store" in st.reason
+    assert await where(stack, job_id) == []
+    outcome = await stack.iris.cancel_and_report(job_id)
+    final = await stack.iris.wait(job_id, timeout_s=30)
+    assert final.state is JobState.KILLED
+    assert outcome.won  # never delivered
+    assert await where(stack, job_id) == []
+
+
+async def test_home_reads_gcs_artifacts_and_refuses_s3_ones(stack: Stack) -> None:
+    await asyncio.to_thread(put_gcs, stack, "marin-artifacts", "ckpt/step-100")
+    ok = await stack.iris.submit(["true"], name="gcs-ok", artifacts=["gs://marin-artifacts/ckpt/step-100"])
+    assert (await stack.iris.wait(ok, timeout_s=60)).state is JobState.SUCCEEDED
+    wrong = await stack.iris.submit(
+        ["true"], name="gcs-wrong", artifacts=["s3://cw-rno2a-artifacts/data/shard-0"]
+    )
+    st = await wait_state(stack, wrong, JobState.HANDOFF_FAILED)
+    assert "not in marin's object store" in st.reason
+    await stack.iris.cancel(wrong)
+    assert (await stack.iris.wait(wrong, timeout_s=30)).state is JobState.KILLED
+
+
+async def test_refusal_by_the_peer_is_handoff_rejected_with_its_message(stack: Stack) -> None:
+    # Pinned to a peer with no TPU: force-routed (SPEC §5), and the peer refuses it.
+    job_id = await stack.iris.submit(
+        ["true"], name="tpu-forced", target_cluster="cw-rno2a", device_type="tpu-v9", gpu_count=4
+    )
+    final = await stack.iris.wait(job_id, timeout_s=60)
+    assert final.state is JobState.HANDOFF_REJECTED
+    assert "cw-rno2a refused the job" in final.reason
+    assert "tpu" in final.reason
+    handle = await asyncio.to_thread(stack.store.get, job_id)
+    assert handle is not None and handle.state is HandleState.HANDOFF_REJECTED
+
+
+async def test_peer_down_during_handoff_is_retried_and_delivered_exactly_once(stack: Stack) -> None:
+    proxy = stack.proxies["cw-us-east-02a"]
+    proxy.fail_launches = 2
+    refused_before = proxy.refused_launches
+    job_id = await stack.iris.submit(["echo", "once"], name="outage", target_cluster="cw-us-east-02a")
+    final = await stack.iris.wait(job_id, timeout_s=90)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert proxy.refused_launches - refused_before == 2
+    peer_view = await remote(stack, "cw-us-east-02a", job_id)
+    assert peer_view is not None and peer_view.attempts == 1
+    assert [e.state for e in final.events].count(JobState.HANDED_OFF) == 1
+
+
+async def test_deadline_makes_a_job_unschedulable_and_it_is_never_promoted(stack: Stack) -> None:
+    # 3 × 8 H100 on one backend: no backend has 24, so it can only wait — until its deadline.
+    job_id = await stack.iris.submit(["true"], name="too-big", replicas=3, scheduling_timeout_s=2, **H100)
+    final = await stack.iris.wait(job_id, timeout_s=60)
+    assert final.state is JobState.UNSCHEDULABLE
+    assert final.reason == "Scheduling timeout passed before any cluster had room"
+    assert not any("promoted to" in e.message for e in final.events)
+    assert await where(stack, job_id) == []
+    handle = await asyncio.to_thread(stack.store.get, job_id)
+    assert handle is not None and handle.state is HandleState.UNSCHEDULABLE
+
+
+async def test_two_jobs_competing_for_8_free_gpus_one_runs_the_other_waits(stack: Stack) -> None:
+    first = await stack.iris.submit(["sleep", "300"], name="compete-a", target_cluster="cw-rno2a", **H100)
+    second = await stack.iris.submit(["sleep", "300"], name="compete-b", target_cluster="cw-rno2a", **H100)
+    runner = await wait_state(stack, first, JobState.RUNNING, JobState.PENDING)
+    assert runner.cluster == "cw-rno2a"
+
+    async def explained() -> bool:
+        st = await stack.iris.describe(second)
+        return st.state is JobState.QUEUED_HANDOFF and "h100" in st.reason
+
+    await wait_until(explained, timeout=30, what="the second job to wait with a capacity reason")
+    waiting = await stack.iris.describe(second)
+    assert await where(stack, second) == []
+    assert "cw-rno2a" in waiting.reason
+    # When the first ends, the second gets the capacity.
+    await stack.iris.cancel(first)
+    assert (await stack.iris.wait(first, timeout_s=30)).state is JobState.KILLED
+    await wait_state(stack, second, JobState.RUNNING, timeout=60)
+    await stack.iris.cancel(second)
+    assert (await stack.iris.wait(second, timeout_s=30)).state is JobState.KILLED
+
+
+async def test_cancel_racing_promotion_never_delivers_a_cancelled_job(stack: Stack) -> None:
+    """Cancels at random moments around placement: a cancel that won means never delivered."""
+    rng = random.Random(20261130)
+    outcomes = {"won": 0, "lost": 0}
+    for i in range(12):
+        job_id = await stack.iris.submit(["sleep", "30"], name=f"race-{i}", target_cluster="cw-us-east-02a")
+        await asyncio.sleep(rng.uniform(0, 0.4))  # the race itself: cancel lands anywhere in the lifecycle
+        outcome = await stack.iris.cancel_and_report(job_id)
+        final = await stack.iris.wait(job_id, timeout_s=60)
+        assert final.terminal
+        delivered = await where(stack, job_id)
+        if outcome.won:
+            outcomes["won"] += 1
+            assert delivered == [], (job_id, final.events)
+            assert final.state is JobState.KILLED
+        else:
+            outcomes["lost"] += 1
+            peer_view = await remote(stack, "cw-us-east-02a", job_id)
+            if final.state is JobState.KILLED and peer_view is not None:
+                assert peer_view.terminal and peer_view.attempts == 1
+    assert outcomes["won"] > 0
+
+
+async def test_cancel_recorded_in_the_store_before_promotion_wins_the_cas(stack: Stack) -> None:
+    """The CAS itself: the store already holds the cancel intent when the placement arrives."""
+    job_id = await stack.iris.submit(["true"], name="cas-guard", replicas=3, **H100)  # fits nowhere: waits
+    await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
+    result = await asyncio.to_thread(stack.store.record_cancel, job_id, "operator")
+    assert result.won
+    from iris.policy.models import Placement
+
+    placement = Placement(job_id=job_id, peer_id="cw-us-east-02a", backend_id="h100-us-east-02a")
+    await stack.client.get_workflow_handle(job_id).signal("place", placement)
+    final = await stack.iris.wait(job_id, timeout_s=30)
+    assert final.state is JobState.KILLED
+    assert final.reason == "Cancelled before handoff"
+    assert any("refused" in e.message or "Cancelled" in e.message for e in final.events)
+    assert await where(stack, job_id) == []

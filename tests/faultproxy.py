@@ -1,0 +1,99 @@
+"""An HTTP fault injector in front of a real controller (in the spirit of toxiproxy).
+
+Forwards every request to the controller unchanged, except that it can refuse the next N
+launches with 503 UNAVAILABLE — a peer outage at the exact moment of handoff, which timing alone
+cannot produce reliably. The controller behind it stays the real one and counts its own launches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+
+
+class FaultProxy:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.fail_launches = 0
+        self.refused_launches = 0
+        self.forwarded_launches = 0
+        self._http = httpx.AsyncClient(timeout=30)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __call__(
+        self,
+        scope: Scope,
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        is_launch = scope["method"] == "POST" and scope["path"] == "/v1/jobs"
+        if is_launch and self.fail_launches > 0:
+            self.fail_launches -= 1
+            self.refused_launches += 1
+            payload = b'{"code":"UNAVAILABLE","message":"injected outage"}'
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if is_launch:
+            self.forwarded_launches += 1
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = self.upstream + path.decode()
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")]
+        try:
+            resp = await self._http.request(scope["method"], url, content=body, headers=headers)
+        except httpx.HTTPError:
+            await send({"type": "http.response.start", "status": 502, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        out_headers = [
+            (k.encode(), v.encode())
+            for k, v in resp.headers.items()
+            if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")
+        ]
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+        await send({"type": "http.response.body", "body": resp.content})
+
+    async def start(self, port: int) -> None:
+        config = uvicorn.Config(self, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        await self._http.aclose()

@@ -1,0 +1,63 @@
+"""PlacementManager: the periodic placement tick (SPEC §5) as an entity workflow.
+
+Ticks every ``interval_s``, or at once when a job enters the queue (signal ``wake``); the tick
+itself is one activity. Continues as new every ``ticks_per_run`` ticks so its history stays bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.placement import PlacementActivities, TickInput, TickOutcome
+
+
+class ManagerInput(BaseModel):
+    interval_s: float = 1.0
+    max_per_peer: int | None = None
+    ticks_per_run: int = 200
+
+
+@workflow.defn(name="PlacementManager")
+class PlacementManager:
+    def __init__(self) -> None:
+        self._wake = False
+        self._last: TickOutcome | None = None
+        self._ticks = 0
+        self._failures = 0
+
+    @workflow.signal
+    def wake(self) -> None:
+        self._wake = True
+
+    @workflow.query
+    def last_tick(self) -> TickOutcome | None:
+        return self._last
+
+    @workflow.run
+    async def run(self, inp: ManagerInput) -> None:
+        workflow.set_current_details("Placement tick: matching queued jobs against peer capacity")
+        while self._ticks < inp.ticks_per_run:
+            self._wake = False
+            try:
+                self._last = await workflow.execute_activity_method(
+                    PlacementActivities.placement_tick,
+                    TickInput(max_per_peer=inp.max_per_peer),
+                    start_to_close_timeout=timedelta(seconds=30),
+                    retry_policy=RetryPolicy(maximum_attempts=2),
+                )
+            except ActivityError as exc:
+                # A failed tick is skipped, never fatal: the next one re-reads everything.
+                self._failures += 1
+                workflow.logger.warning("placement tick failed: %s", exc.cause or exc)
+            self._ticks += 1
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(lambda: self._wake, timeout=timedelta(seconds=inp.interval_s))
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(inp)
