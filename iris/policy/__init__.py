@@ -13,7 +13,8 @@ from iris.policy.availability import (
     usable_block,
     working_capacity,
 )
-from iris.policy.classify import QUEUED_REASON, classify, pick_backend, queued_for_peer_reason
+from iris.policy.classify import classify, pick_backend
+from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
 from iris.policy.models import (
     AVAILABILITY_VERSION,
     DEVICE_TYPES,

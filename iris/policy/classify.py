@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from iris.policy.availability import PeerStatus, gate, peer_status, working_capacity
+from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
 from iris.policy.models import (
     BackendReport,
     Classification,
@@ -21,12 +22,6 @@ from iris.policy.models import (
     Reservation,
 )
 from iris.policy.routing import job_constraints, matches, resolve_cluster
-
-QUEUED_REASON = "Queued for a federation peer to report free capacity"
-
-
-def queued_for_peer_reason(peer_id: str) -> str:
-    return f"Queued for peer {peer_id} to report free capacity"
 
 
 def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reservation] = ()) -> str | None:

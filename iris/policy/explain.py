@@ -11,7 +11,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from iris.policy.models import Band, Constraint, PeerVerdict, WaitingGroup, WaitKind
 from iris.policy.routing import constraint_holds
 
-QUEUED_BASE = "Queued for a federation peer to report free capacity"
+QUEUED_REASON = "Queued for a federation peer to report free capacity"
+
+
+def queued_for_peer_reason(peer_id: str) -> str:
+    return f"Queued for peer {peer_id} to report free capacity"
 
 
 def unreachable_message(error: str | None) -> str:
@@ -19,7 +23,8 @@ def unreachable_message(error: str | None) -> str:
 
 
 def stale_message(stale_after_ms: int) -> str:
-    return f"stale: no report in the last {stale_after_ms // 1000}s"
+    bound = f"{stale_after_ms // 1000}s" if stale_after_ms % 1000 == 0 else f"{stale_after_ms}ms"
+    return f"stale: no report in the last {bound}"
 
 
 def unknown_peer_message(peer_id: str) -> str:
@@ -55,7 +60,7 @@ def _peers(peer_ids: Sequence[str]) -> str:
 
 
 def summarize(pinned: str | None, verdicts: Sequence[PeerVerdict]) -> str:
-    base = f"Queued for peer {pinned} to report free capacity" if pinned else QUEUED_BASE
+    base = queued_for_peer_reason(pinned) if pinned else QUEUED_REASON
     by_kind: dict[WaitKind, list[PeerVerdict]] = {}
     for v in verdicts:
         by_kind.setdefault(v.kind, []).append(v)
