@@ -13,11 +13,12 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from iris.config import FederationConfig
+from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.controller.models import LaunchRequest
+from iris.logrelay import LogRelay
 from iris.reports import FederationView, gather_reports
 
 # Error type names the workflow reacts to; refusals are never retried.
@@ -35,6 +36,7 @@ class MirrorInput(BaseModel):
     job_id: str
     known_state: str | None = None
     poll_interval_s: float = 0.2
+    log_interval_s: float = 1.0
     # Return even without a change after this long, so the workflow's loop stays responsive.
     max_wait_s: float = 600.0
 
@@ -45,16 +47,21 @@ class TerminateInput(BaseModel):
 
 
 class PeerActivities:
-    def __init__(self, config: FederationConfig, *, request_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, config: FederationConfig, relay: LogRelay | None = None, *, request_timeout_s: float = 5.0
+    ) -> None:
         self._config = config
+        self._relay = relay
         self._timeout = request_timeout_s
 
     def _client(self, cluster: str) -> ControllerClient:
         try:
-            url = self._config.cluster(cluster).url
+            # Signed as the home cluster when the target requires it (SPEC §7).
+            return ControllerClient.for_cluster(self._config, cluster, timeout=self._timeout)
         except KeyError:
             raise ApplicationError(f"unknown cluster {cluster!r}", non_retryable=True) from None
-        return ControllerClient(url, timeout=self._timeout)
+        except ConfigError as exc:
+            raise ApplicationError(f"cannot sign requests to {cluster}: {exc}", non_retryable=True) from None
 
     @activity.defn
     async def fetch_reports(self) -> FederationView:
@@ -77,19 +84,38 @@ class PeerActivities:
                 non_retryable=True,
             ) from None
 
+    async def _relay_logs(self, client: ControllerClient, job_id: str, offset: int) -> int:
+        """Copy whatever the job wrote since ``offset`` into the home-side relay; returns the new offset."""
+        relay = self._relay
+        if relay is None:
+            return offset
+        while True:
+            chunk = await client.logs(job_id, offset=offset)
+            if not chunk.data or chunk.next_offset <= offset:
+                return offset
+            await asyncio.to_thread(relay.append, job_id, offset, chunk.next_offset, chunk.data)
+            offset = chunk.next_offset
+
     @activity.defn
     async def mirror_job(self, inp: MirrorInput) -> ControllerJobStatus:
-        """Follow the job on its cluster until its state differs from ``known_state``.
+        """Follow the job on its cluster until its state differs from ``known_state``, relaying logs.
 
         Polls sub-second inside one heartbeating activity (server-side retries are never faster
-        than ~1 s); transient errors are ridden out here, heartbeating all along.
+        than ~1 s); transient errors are ridden out here, heartbeating all along. Before it reports
+        a terminal state every byte of output has been copied home.
         """
         deadline = time.monotonic() + inp.max_wait_s
-        last: ControllerJobStatus | None = None
+        relayed = 0
+        if self._relay is not None:
+            relayed = await asyncio.to_thread(self._relay.relayed_offset, inp.job_id)
+        next_relay = 0.0
         async with self._client(inp.cluster) as client:
             while True:
                 try:
                     last = await client.status(inp.job_id)
+                    if last.terminal or time.monotonic() >= next_relay:
+                        relayed = await self._relay_logs(client, inp.job_id, relayed)
+                        next_relay = time.monotonic() + inp.log_interval_s
                 except NotFound:
                     raise ApplicationError(
                         f"{inp.cluster} no longer knows job {inp.job_id}", type=JOB_LOST, non_retryable=True

@@ -12,6 +12,7 @@ import typer
 from cli import common
 from cli.dev import dev_command
 from cli.job import job_app
+from cli.keys import keys_app
 from iris.config import DEFAULT_DATA_DIR
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(job_app, name="job")
+app.add_typer(keys_app, name="keys")
 app.command("dev")(dev_command)
 
 

@@ -13,6 +13,7 @@ import typer
 from cli import common
 from iris import devstack
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, config_path, store_url
+from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
 
 
 def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
@@ -69,6 +70,10 @@ def dev_command(
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(devstack.object_store_env(cfg))
+    # Each cluster's signing key pair, created on first start (SPEC §7); children inherit the dir.
+    key_dir = data_dir / "keys"
+    created = ensure_cluster_keys(cfg, key_dir)
+    os.environ[KEY_DIR_ENV] = str(key_dir)
     services = [
         devstack.temporal_server(cfg, data_dir, db_file=data_dir / "temporal.db"),
         devstack.s3_server(cfg, data_dir),
@@ -79,6 +84,8 @@ def dev_command(
     code = common.EXIT_OK
     try:
         typer.echo(f"data directory: {data_dir}")
+        if created:
+            typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dir}")
         for svc in services:
             svc.start()
             started.append(svc)

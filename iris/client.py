@@ -30,8 +30,6 @@ from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from iris.config import FederationConfig, load_config
-from iris.controller.client import ControllerClient
-from iris.controller.errors import ControllerError
 from iris.controller.models import LogChunk
 from iris.jobs import (
     JOB_WORKFLOW_TYPE,
@@ -48,9 +46,10 @@ from iris.jobs import (
     start_search_attributes,
     workflow_id,
 )
+from iris.logrelay import LogRelay
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
-from iris.reports import gather_reports
+from iris.reports import config_view
 from iris.temporal import connect
 
 T = TypeVar("T")
@@ -207,6 +206,7 @@ class AsyncIrisClient:
     def __init__(self, temporal: Client, config: FederationConfig) -> None:
         self.temporal = temporal
         self.config = config
+        self._relay: LogRelay | None = None
 
     @classmethod
     async def connect(cls, config: FederationConfig | str | Path | None = None) -> AsyncIrisClient:
@@ -221,13 +221,17 @@ class AsyncIrisClient:
         return self.temporal.get_workflow_handle(workflow_id(job_id), result_type=JobStatus)
 
     async def precheck(self, spec: JobSpec) -> str:
-        """Classify against the federation's current reports; raise JobRejected if nobody can host it."""
-        view = await gather_reports(self.config)
+        """Classify against the configured shapes; raise JobRejected if no cluster could ever host it.
+
+        Needs no controller credentials: capacity and reachability are the workflow's business.
+        """
+        now_ms = int(time.time() * 1000)
+        view = config_view(self.config, now_ms=now_ms)
         decision = classify(
             spec.shape(),
             home=view.home,
             reports=view.reports,
-            now_ms=int(time.time() * 1000),
+            now_ms=now_ms,
             stale_after_ms=view.stale_after_ms,
         )
         if decision.disposition is Disposition.REJECT:
@@ -359,15 +363,24 @@ class AsyncIrisClient:
             await asyncio.sleep(poll_interval_s)
 
     async def logs(self, job_id: str, offset: int = 0) -> LogChunk:
-        """A chunk of the job's output from the cluster that runs (or ran) it."""
+        """The job's output from ``offset`` on, from the home cluster's relayed copy (SPEC §8).
+
+        Works wherever the job ran, and after the peer has forgotten it; ``eof`` once the job has
+        ended and everything was read.
+        """
         status = await self.describe(job_id)
-        if status.cluster is None:
-            return LogChunk(data="", offset=offset, next_offset=offset, eof=status.terminal)
+        if self._relay is None:
+            self._relay = LogRelay(self.config)
         try:
-            async with ControllerClient(self.config.cluster(status.cluster).url) as ctl:
-                return await ctl.logs(job_id, offset=offset)
-        except ControllerError as exc:
-            raise Unavailable(f"cannot read logs of {job_id} from {status.cluster}: {exc.message}") from None
+            chunk = await asyncio.to_thread(self._relay.read, job_id, offset)
+        except Exception as exc:  # the object store's own errors vary by client library
+            raise Unavailable(f"cannot read logs of {job_id}: {exc}") from None
+        return LogChunk(
+            data=chunk.data,
+            offset=offset,
+            next_offset=chunk.next_offset,
+            eof=status.terminal and not chunk.data,
+        )
 
     async def follow_logs(self, job_id: str, *, poll_interval_s: float = 0.25) -> AsyncIterator[str]:
         """Yield the job's output as it is written, until the job ends and everything was read."""

@@ -7,10 +7,10 @@ import time
 
 from pydantic import BaseModel
 
-from iris.config import FederationConfig
+from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError
-from iris.policy.models import PeerReport
+from iris.policy.models import BackendReport, PeerReport
 
 
 class FederationView(BaseModel):
@@ -27,10 +27,12 @@ class FederationView(BaseModel):
 async def cluster_report(config: FederationConfig, cluster: str, *, timeout_s: float = 5.0) -> PeerReport:
     """One cluster's backends; an unreachable controller yields ``reachable=False``, never capacity."""
     try:
-        async with ControllerClient(config.cluster(cluster).url, timeout=timeout_s) as client:
+        async with ControllerClient.for_cluster(config, cluster, timeout=timeout_s) as client:
             resp = await client.backends()
     except ControllerError as exc:
         return PeerReport(peer_id=cluster, reachable=False, error=f"{exc.code}: {exc.message}")
+    except ConfigError as exc:  # e.g. our signing key is unreadable: say so, never crash the tick
+        return PeerReport(peer_id=cluster, reachable=False, error=str(exc))
     return PeerReport(
         peer_id=cluster, reachable=True, last_contact_ms=int(time.time() * 1000), backends=resp.backends
     )
@@ -42,3 +44,22 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
         *(cluster_report(config, c.name, timeout_s=timeout_s) for c in config.clusters)
     )
     return FederationView(home=config.home, stale_after_ms=config.stale_after_ms, reports=list(reports))
+
+
+def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
+    """The federation's shapes as configured: every cluster reachable, no capacity block.
+
+    Enough to refuse, before anything starts, a pin to an unknown cluster or a shape that no
+    backend anywhere has (SPEC §4), without credentials for any controller. The job workflow then
+    classifies against live reports.
+    """
+    reports = [
+        PeerReport(
+            peer_id=c.name,
+            reachable=True,
+            last_contact_ms=now_ms,
+            backends=[BackendReport(backend_id=b.id, advertised_attributes=b.attributes) for b in c.backends],
+        )
+        for c in config.clusters
+    ]
+    return FederationView(home=config.home, stale_after_ms=config.stale_after_ms, reports=reports)

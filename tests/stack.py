@@ -24,6 +24,7 @@ from temporalio.worker import Worker
 from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig, load_config, store_url
+from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
 from iris.jobs import SEARCH_ATTRIBUTE_KEYS
 from iris.store import FederationStore
 from worker.main import build_worker, ensure_manager
@@ -122,6 +123,9 @@ class StackRunner:
         config_file = self.root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
         os.environ.update(devstack.object_store_env(cfg))
+        key_dir = self.root / "keys"
+        ensure_cluster_keys(cfg, key_dir)
+        os.environ[KEY_DIR_ENV] = str(key_dir)
         # Each controller listens on an internal port; the federation reaches it through a fault
         # proxy on the configured port, so tests can inject an outage at the moment of handoff.
         internal = {c.name: devstack.free_port() for c in cfg.clusters}

@@ -62,6 +62,7 @@ def test_compose_topology_matches_the_embedded_stack(compose: dict) -> None:  # 
     assert prod.cluster_names == embedded.cluster_names
     for mine, theirs in zip(embedded.clusters, prod.clusters, strict=True):
         assert mine.backends == theirs.backends, mine.name
+        assert mine.auth == theirs.auth, mine.name
         assert mine.object_store is not None and theirs.object_store is not None
         assert (mine.object_store.kind, mine.object_store.bucket) == (
             theirs.object_store.kind,
@@ -71,6 +72,8 @@ def test_compose_topology_matches_the_embedded_stack(compose: dict) -> None:  # 
         assert "--cluster" in service["command"] and theirs.name in service["command"]
         assert str(theirs.port) in " ".join(service["healthcheck"]["test"])
     assert "worker" in compose["services"]
+    for service in ("worker", *(c.host for c in prod.clusters)):
+        assert "iris-keys:/keys:ro" in compose["services"][service]["volumes"], service
 
 
 def test_project_image_installs_from_the_lock() -> None:

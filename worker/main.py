@@ -14,6 +14,7 @@ from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
 from activities.store import StoreActivities, manager_workflow_id
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
+from iris.logrelay import LogRelay
 from iris.store import FederationStore
 from iris.temporal import connect
 from workflows.job import JobWorkflow
@@ -21,7 +22,7 @@ from workflows.placement import ManagerInput, PlacementManager
 
 
 def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> Worker:
-    peers = PeerActivities(config)
+    peers = PeerActivities(config, LogRelay(config))
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)

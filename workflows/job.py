@@ -254,6 +254,8 @@ class JobWorkflow:
         if decision.disposition is Disposition.LOCAL:
             return await self._deliver(spec, view, view.home, self._backend_for(view, view.home))
 
+        # The queue holds the resolved pin (exact cluster id), whatever case the user typed.
+        shape = shape.model_copy(update={"target_cluster": decision.pinned_cluster})
         await workflow.execute_activity_method(
             StoreActivities.enqueue_job,
             EnqueueInput(shape=shape, incarnation=self._incarnation),

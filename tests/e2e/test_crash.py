@@ -68,7 +68,7 @@ async def own_worker(stack: Stack, tmp_path: Path) -> AsyncIterator[tuple[Worker
 
 
 async def _handoffs(stack: Stack, cluster: str, job_id: str) -> int:
-    async with ControllerClient(stack.config.cluster(cluster).url) as ctl:
+    async with ControllerClient.for_cluster(stack.config, cluster) as ctl:
         return (await ctl.status(job_id)).attempts
 
 

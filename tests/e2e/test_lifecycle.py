@@ -22,7 +22,7 @@ H100 = {"device_type": "h100", "gpu_count": 8}
 
 
 async def remote(stack: Stack, cluster: str, job_id: str) -> ControllerJobStatus | None:
-    async with ControllerClient(stack.config.cluster(cluster).url) as ctl:
+    async with ControllerClient.for_cluster(stack.config, cluster) as ctl:
         try:
             return await ctl.status(job_id)
         except NotFound:
@@ -223,3 +223,44 @@ async def test_cancel_recorded_in_the_store_before_promotion_wins_the_cas(stack:
     assert final.reason == "Cancelled before handoff"
     assert any("refused" in e.message or "Cancelled" in e.message for e in final.events)
     assert await where(stack, job_id) == []
+
+
+async def test_logs_are_relayed_home_and_outlive_the_peer(stack: Stack) -> None:
+    job_id = await stack.iris.submit(
+        ["sh", "-c", "for i in 1 2 3; do echo line-$i; done; echo err >&2"],
+        name="relay",
+        target_cluster="cw-rno2a",
+    )
+    assert (await stack.iris.wait(job_id, timeout_s=60)).state is JobState.SUCCEEDED
+    peer = stack.services["controller cw-rno2a"]
+    await asyncio.to_thread(peer.stop)
+    try:
+        res = await stack.cli("job", "logs", job_id)
+        assert res.code == 0, res.stderr
+        assert sorted(res.stdout.splitlines()) == ["err", "line-1", "line-2", "line-3"]
+    finally:
+        peer.start()
+        await asyncio.to_thread(peer.wait_ready, 60)
+
+
+async def test_logs_follow_streams_until_the_job_ends(stack: Stack) -> None:
+    job_id = await stack.iris.submit(
+        ["sh", "-c", "echo first; sleep 2; echo second"], name="follow", target_cluster="cw-us-east-02a"
+    )
+    res = await stack.cli("job", "logs", "-f", job_id)
+    assert res.code == 0, res.stderr
+    assert res.stdout.splitlines() == ["first", "second"]
+    assert (await stack.iris.describe(job_id)).state is JobState.SUCCEEDED
+
+
+async def test_the_stacks_controllers_admit_only_signed_requests(stack: Stack) -> None:
+    """SPEC §7 in the running stack: handoffs above were signed; an unsigned caller is refused."""
+    from iris.controller.errors import Unauthenticated
+
+    for cluster in stack.config.cluster_names:
+        async with ControllerClient(stack.config.cluster(cluster).url) as anonymous:
+            try:
+                await anonymous.backends()
+            except Unauthenticated:
+                continue
+            raise AssertionError(f"{cluster} answered an unsigned request")

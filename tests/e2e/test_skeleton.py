@@ -20,7 +20,7 @@ async def count_jobs(stack: Stack) -> int:
 
 
 async def on_cluster(stack: Stack, cluster: str, job_id: str) -> bool:
-    async with ControllerClient(stack.config.cluster(cluster).url) as ctl:
+    async with ControllerClient.for_cluster(stack.config, cluster) as ctl:
         try:
             await ctl.status(job_id)
         except NotFound:
@@ -181,7 +181,7 @@ async def test_cancel_while_running_terminates_the_process_on_the_peer(stack: St
     assert "cancel lost" in cancel.stdout  # already handed off: termination goes to the peer
     final = await stack.iris.wait(job_id, timeout_s=30)
     assert final.state is JobState.KILLED
-    async with ControllerClient(stack.config.cluster("cw-us-east-02a").url) as ctl:
+    async with ControllerClient.for_cluster(stack.config, "cw-us-east-02a") as ctl:
         assert (await ctl.status(job_id)).state.value == "KILLED"
 
 
@@ -195,7 +195,7 @@ async def test_temporal_cancel_converges_on_the_same_path(stack: Stack) -> None:
     await stack.client.get_workflow_handle(job_id).cancel()
     final = await stack.iris.wait(job_id, timeout_s=30)
     assert final.state is JobState.KILLED
-    async with ControllerClient(stack.config.cluster("cw-rno2a").url) as ctl:
+    async with ControllerClient.for_cluster(stack.config, "cw-rno2a") as ctl:
         assert (await ctl.status(job_id)).state.value == "KILLED"
 
 

@@ -1,0 +1,43 @@
+"""`iris keys ...`: a cluster's signing identity (SPEC §7)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import common
+from iris.controller.identity import default_key_dir, ensure_cluster_keys, generate_keypair
+
+keys_app = typer.Typer(help="Create the Ed25519 key pairs clusters sign handoffs with.", no_args_is_help=True)
+
+KeyDir = Annotated[
+    Path | None,
+    typer.Option("--dir", help="Key directory (default: $IRIS_KEY_DIR, else the current directory)."),
+]
+
+
+@keys_app.command("generate")
+def generate_command(
+    cluster: Annotated[str, typer.Argument(help="The cluster's name.")], dir: KeyDir = None
+) -> None:
+    """Write DIR/CLUSTER.key (private, mode 0600) and DIR/CLUSTER.pub; never overwrites a key."""
+    key_dir = dir or default_key_dir()
+    key_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        private, public = generate_keypair(key_dir, cluster)
+    except FileExistsError:
+        common.fail(
+            f"{key_dir / (cluster + '.key')} already exists; not overwriting a key", common.EXIT_INVALID
+        )
+    typer.echo(f"private key: {private}  (keep it on {cluster}'s own machines)")
+    typer.echo(f"public key:  {public}  (pin it in every cluster that trusts {cluster})")
+
+
+@keys_app.command("ensure")
+def ensure_command(dir: KeyDir = None) -> None:
+    """Create every missing key pair the federation config names (what `iris dev` does at start)."""
+    key_dir = dir or default_key_dir()
+    created = ensure_cluster_keys(common.config(), key_dir)
+    typer.echo(f"created keys for: {', '.join(created)}" if created else f"all keys present in {key_dir}")
