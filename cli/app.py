@@ -13,6 +13,7 @@ from cli import common
 from cli.dev import dev_command
 from cli.job import job_app
 from cli.keys import keys_app
+from cli.ops import ops_app
 from iris.config import DEFAULT_DATA_DIR
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 app.add_typer(job_app, name="job")
 app.add_typer(keys_app, name="keys")
+app.add_typer(ops_app, name="ops")
 app.command("dev")(dev_command)
 
 
