@@ -11,9 +11,10 @@ import time
 
 from pydantic import BaseModel
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from iris.policy.models import JobShape, Placement
-from iris.store import FederationStore
+from iris.store import FederationStore, StoreConflict
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteResult
 
 
@@ -104,5 +105,15 @@ class StoreActivities:
         )
 
     @activity.defn
+    async def requeue_job(self, inp: ExpireInput) -> bool:
+        """Operator replay: a parked handle goes back to the queue, its reservation released."""
+        requeued = await asyncio.to_thread(self._store.requeue, inp.job_id, inp.incarnation)
+        await self._wake_manager()
+        return requeued
+
+    @activity.defn
     async def set_handle_state(self, inp: HandleStateInput) -> None:
-        await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)
+        try:
+            await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)
+        except StoreConflict as exc:  # a refused transition is an answer, not an outage: never retried
+            raise ApplicationError(str(exc), type="StoreConflict", non_retryable=True) from None

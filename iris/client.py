@@ -12,19 +12,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import os
 import re
 import secrets
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -43,6 +47,7 @@ from iris.jobs import (
     JobSpec,
     JobState,
     JobStatus,
+    ReplayRequest,
     start_search_attributes,
     workflow_id,
 )
@@ -299,6 +304,74 @@ class AsyncIrisClient:
                     won=False, state=status.state, message=f"job already ended as {status.state}"
                 )
             raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+
+    async def replay_handoff(
+        self, job_id: str, *, peer: str | None = None, requeue: bool = False, reason: str = "operator replay"
+    ) -> str:
+        """Operator: re-run the artifact check and handoff of a job whose handoff failed (SPEC §9).
+
+        A job parked in HANDOFF_FAILED is replayed in place (same cluster, ``peer``, or back to the
+        queue). A closed HANDOFF_REJECTED run is reset to just before its handoff, which then runs
+        again, recorded in the job's history. Anything else is refused with the reason.
+        """
+        if peer is not None and requeue:
+            raise InvalidJob("choose --peer or --requeue, not both")
+        handle = self._handle(job_id)
+        try:
+            desc = await handle.describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(f"job {job_id} not found") from None
+            raise Unavailable(f"cannot reach Temporal: {exc.message}") from None
+        status = await self.describe(job_id)
+        if desc.status == WorkflowExecutionStatus.RUNNING and status.terminal:
+            # Ended a moment ago; its last bookkeeping step is finishing: let the run close first.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(handle.result(), timeout=30)
+            desc = await handle.describe()
+        if desc.status == WorkflowExecutionStatus.RUNNING:
+            if status.state is not JobState.HANDOFF_FAILED:
+                raise InvalidJob(
+                    f"job {job_id} is {status.state.value}: replay-handoff applies to jobs parked in "
+                    "HANDOFF_FAILED or closed as HANDOFF_REJECTED"
+                )
+            try:
+                message: str = await handle.execute_update(
+                    "replay_handoff",
+                    ReplayRequest(peer=peer, requeue=requeue, reason=reason),
+                    result_type=str,
+                )
+            except WorkflowUpdateFailedError as exc:
+                raise InvalidJob(str(exc.cause or exc)) from None
+            return message
+        if status.state is not JobState.HANDOFF_REJECTED:
+            raise InvalidJob(
+                f"job {job_id} ended as {status.state.value}: replay-handoff applies to jobs parked in "
+                "HANDOFF_FAILED or closed as HANDOFF_REJECTED"
+            )
+        if peer is not None or requeue:
+            where = status.cluster or "the cluster that refused it"
+            raise InvalidJob(f"job {job_id} is closed: it can only be replayed to {where}, which refused it")
+        reset_point = None
+        async for event in handle.fetch_history_events():
+            attrs = event.activity_task_scheduled_event_attributes
+            if (
+                event.HasField("activity_task_scheduled_event_attributes")
+                and attrs.activity_type.name == "launch_job"
+            ):
+                reset_point = attrs.workflow_task_completed_event_id
+        if reset_point is None:
+            raise InvalidJob(f"job {job_id} has no handoff in its history to replay")
+        resp = await self.temporal.workflow_service.reset_workflow_execution(
+            ResetWorkflowExecutionRequest(
+                namespace=self.temporal.namespace,
+                workflow_execution=WorkflowExecution(workflow_id=workflow_id(job_id), run_id=desc.run_id),
+                reason=f"iris ops replay-handoff: {reason}",
+                workflow_task_finish_event_id=reset_point,
+                request_id=str(uuid.uuid4()),
+            )
+        )
+        return f"reset to event {reset_point}, before the handoff to {status.cluster}; new run {resp.run_id}"
 
     async def list(
         self,

@@ -152,6 +152,20 @@ class CancelRequest(BaseModel):
     reason: str = "Cancelled by user"
 
 
+class ReplayRequest(BaseModel):
+    """An operator's replay of a parked handoff: same cluster, another one, or back to the queue."""
+
+    peer: str | None = None
+    requeue: bool = False
+    reason: str = "operator replay"
+
+    def describe(self) -> str:
+        where = (
+            "back to the queue" if self.requeue else f"to {self.peer}" if self.peer else "to the same cluster"
+        )
+        return f"{where} ({self.reason})"
+
+
 class CancelOutcome(BaseModel):
     """Whether a cancel won the race against handoff, and what it did."""
 

@@ -40,6 +40,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
             queue.record_cancel,
             queue.expire_job,
             queue.set_handle_state,
+            queue.requeue_job,
             placement.placement_tick,
             artifacts.check_artifacts,
         ],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from datetime import timedelta
 
@@ -45,9 +46,10 @@ with workflow.unsafe.imports_passed_through():
         JobSpec,
         JobState,
         JobStatus,
+        ReplayRequest,
     )
     from iris.policy import QUEUED_REASON, classify, pick_backend, queued_for_peer_reason
-    from iris.policy.models import Disposition, Placement
+    from iris.policy.models import Disposition, JobShape, Placement
     from iris.reports import FederationView
     from iris.store.models import HandleState, PromoteOutcome
 
@@ -85,8 +87,11 @@ CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 
 
-class _Done(Exception):
-    """Internal: the job reached a terminal state on a path that unwinds the lifecycle."""
+@dataclasses.dataclass(frozen=True)
+class _Parked:
+    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason."""
+
+    reason: str
 
 
 @workflow.defn(name="JobWorkflow")
@@ -102,6 +107,9 @@ class JobWorkflow:
         # Set in the workflow task that schedules the launch: from then on the job may be on a
         # cluster, and a cancel has to go through that cluster.
         self._delivered = False
+        self._replay: ReplayRequest | None = None
+        self._pin: str | None = None
+        self._clusters: list[str] = []
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -113,7 +121,12 @@ class JobWorkflow:
     @workflow.signal
     def place(self, placement: Placement) -> None:
         """From the placement tick: promote the job to this (peer, backend)."""
-        if self._status is not None and self._status.state is JobState.QUEUED_HANDOFF:
+        # An operator's replay target, already set, is not overridden by the tick.
+        if (
+            self._status is not None
+            and self._status.state is JobState.QUEUED_HANDOFF
+            and self._placement is None
+        ):
             self._placement = placement
 
     @workflow.signal
@@ -149,6 +162,30 @@ class JobWorkflow:
             state=st.state,
             message=f"job was already handed to {st.cluster}; termination requested there",
         )
+
+    @workflow.update
+    def replay_handoff(self, request: ReplayRequest) -> str:
+        """Operator: re-run the artifact check and handoff of a parked job (SPEC §9)."""
+        self._replay = request
+        return f"replay accepted: {request.describe()}"
+
+    @replay_handoff.validator
+    def _check_replay(self, request: ReplayRequest) -> None:
+        st = self.status()
+        if st.state is not JobState.HANDOFF_FAILED or self._replay is not None:
+            parked = JobState.HANDOFF_FAILED.value
+            raise ValueError(
+                f"job {st.job_id} is {st.state.value}: replay-handoff applies to jobs parked in {parked}"
+            )
+        if request.requeue and request.peer:
+            raise ValueError("choose --peer or --requeue, not both")
+        if request.peer is not None:
+            if request.peer not in self._clusters:
+                raise ValueError(f"unknown cluster {request.peer!r} (known: {', '.join(self._clusters)})")
+            if self._pin is not None and request.peer != self._pin:
+                raise ValueError(
+                    f"job {st.job_id} is pinned to {self._pin}; it cannot be replayed to {request.peer}"
+                )
 
     def _request_cancel(self, request: CancelRequest) -> None:
         if self._cancel is None and self._status is not None and not self._status.terminal:
@@ -198,14 +235,19 @@ class JobWorkflow:
 
     async def _handle_state(self, state: HandleState, reason: str | None = None) -> None:
         assert self._spec is not None
-        await workflow.execute_activity_method(
-            StoreActivities.set_handle_state,
-            HandleStateInput(
-                job_id=self._spec.job_id, incarnation=self._incarnation, state=state, reason=reason
-            ),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_STORE_RETRY,
-        )
+        try:
+            await workflow.execute_activity_method(
+                StoreActivities.set_handle_state,
+                HandleStateInput(
+                    job_id=self._spec.job_id, incarnation=self._incarnation, state=state, reason=reason
+                ),
+                start_to_close_timeout=_QUICK,
+                retry_policy=_STORE_RETRY,
+            )
+        except ActivityError as exc:
+            # The queue's bookkeeping refused a transition; the job itself goes on, and says so.
+            assert self._status is not None
+            self._event(self._status.state, f"federation store kept its state: {exc.cause or exc}")
 
     # ---- the lifecycle --------------------------------------------------------------------
 
@@ -241,6 +283,7 @@ class JobWorkflow:
             now_ms=self._now_ms(),
             stale_after_ms=view.stale_after_ms,
         )
+        self._clusters = [r.peer_id for r in view.reports]
         st = self._status
         assert st is not None
         st.disposition = decision.disposition.value
@@ -255,14 +298,8 @@ class JobWorkflow:
             return await self._deliver(spec, view, view.home, self._backend_for(view, view.home))
 
         # The queue holds the resolved pin (exact cluster id), whatever case the user typed.
-        shape = shape.model_copy(update={"target_cluster": decision.pinned_cluster})
-        await workflow.execute_activity_method(
-            StoreActivities.enqueue_job,
-            EnqueueInput(shape=shape, incarnation=self._incarnation),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_STORE_RETRY,
-        )
-        self._queued = True
+        self._pin = decision.pinned_cluster
+        await self._enqueue(shape)
         pin = decision.pinned_cluster
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(pin) if pin else QUEUED_REASON)
         placement = await self._await_promotion(spec)
@@ -271,6 +308,17 @@ class JobWorkflow:
         # A force-routed placement names no backend (SPEC §5): the peer gets its best guess.
         backend = placement.backend_id or self._backend_for(view, placement.peer_id)
         return await self._deliver(spec, view, placement.peer_id, backend)
+
+    async def _enqueue(self, shape: JobShape) -> None:
+        await workflow.execute_activity_method(
+            StoreActivities.enqueue_job,
+            EnqueueInput(
+                shape=shape.model_copy(update={"target_cluster": self._pin}), incarnation=self._incarnation
+            ),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_STORE_RETRY,
+        )
+        self._queued = True
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
         report = view.report(cluster)
@@ -346,6 +394,54 @@ class JobWorkflow:
         return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
 
     async def _deliver(self, spec: JobSpec, view: FederationView, cluster: str, backend: str) -> JobStatus:
+        """Hand off to ``cluster``; a parked handoff waits for an operator's replay or a cancel (SPEC §9)."""
+        while True:
+            outcome = await self._deliver_once(spec, view, cluster, backend)
+            if not isinstance(outcome, _Parked):
+                return outcome
+            action = await self._park(outcome.reason)
+            if isinstance(action, JobStatus):
+                return action
+            target = await self._replay_target(spec, view, cluster, backend, action)
+            if isinstance(target, JobStatus):
+                return target
+            if isinstance(target, _Parked):
+                continue
+            cluster, backend = target
+
+    async def _replay_target(
+        self, spec: JobSpec, view: FederationView, cluster: str, backend: str, action: ReplayRequest
+    ) -> tuple[str, str] | JobStatus | _Parked:
+        """Where an operator's replay goes: the same cluster, another one, or back through the queue."""
+        self._event(JobState.HANDOFF_FAILED, f"operator replay: {action.describe()}")
+        if not action.requeue and (action.peer is None or action.peer == cluster):
+            return cluster, backend
+        if self._queued:
+            await workflow.execute_activity_method(
+                StoreActivities.requeue_job,
+                ExpireInput(job_id=spec.job_id, incarnation=self._incarnation),
+                start_to_close_timeout=_QUICK,
+                retry_policy=_STORE_RETRY,
+            )
+        else:
+            await self._enqueue(spec.shape())
+        if action.requeue:
+            self._set(JobState.QUEUED_HANDOFF, QUEUED_REASON)
+            placement = await self._await_promotion(spec)
+        else:
+            assert action.peer is not None
+            self._set(JobState.QUEUED_HANDOFF, f"Operator replay to {action.peer}")
+            self._placement = Placement(
+                job_id=spec.job_id, peer_id=action.peer, backend_id="", forced=True, reason="operator replay"
+            )
+            placement = await self._await_promotion(spec)
+        if isinstance(placement, JobStatus):
+            return placement
+        return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
+
+    async def _deliver_once(
+        self, spec: JobSpec, view: FederationView, cluster: str, backend: str
+    ) -> JobStatus | _Parked:
         """Artifact check, handoff and mirror on ``cluster`` (the home cluster included)."""
         assert self._status is not None
         self._status.backend_id = backend
@@ -357,9 +453,9 @@ class JobWorkflow:
                 else await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
             )
         if spec.artifacts:
-            parked = await self._check_artifacts(spec, cluster)
-            if parked is not None:
-                return parked
+            checked = await self._check_artifacts(spec, cluster)
+            if checked is not None:
+                return checked
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         # The delivery commit point: set in the same workflow task that schedules the launch.
         self._delivered = True
@@ -386,7 +482,7 @@ class JobWorkflow:
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
                 return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
-            return await self._park(f"Handoff to {cluster} failed after retries: {cause or exc}")
+            return _Parked(f"Handoff to {cluster} failed after retries: {cause or exc}")
         if cluster != view.home:
             self._set(JobState.HANDED_OFF, f"Accepted by {cluster}")
         else:
@@ -398,7 +494,7 @@ class JobWorkflow:
             await self._handle_state(_HANDLE_TERMINAL[status.state])
         return status
 
-    async def _check_artifacts(self, spec: JobSpec, cluster: str) -> JobStatus | None:
+    async def _check_artifacts(self, spec: JobSpec, cluster: str) -> JobStatus | _Parked | None:
         self._set(
             JobState.PENDING_HANDOFF,
             f"Checking {len(spec.artifacts)} artifact(s) in {cluster}'s object store",
@@ -411,10 +507,10 @@ class JobWorkflow:
                 retry_policy=_ARTIFACT_RETRY,
             )
         except ActivityError as exc:
-            return await self._park(f"Cannot check artifacts in {cluster}'s object store: {exc.cause or exc}")
+            return _Parked(f"Cannot check artifacts in {cluster}'s object store: {exc.cause or exc}")
         if report.missing:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
-            return await self._park(report.reasons[0] + more)
+            return _Parked(report.reasons[0] + more)
         if self._cancel is not None:
             return (
                 await self._cancel_queued()
@@ -423,13 +519,17 @@ class JobWorkflow:
             )
         return None
 
-    async def _park(self, reason: str) -> JobStatus:
+    async def _park(self, reason: str) -> JobStatus | ReplayRequest:
         """HANDOFF_FAILED waits for an operator (SPEC §9) or a cancel; never dropped silently."""
         self._set(JobState.HANDOFF_FAILED, reason)
         if self._queued:
             await self._handle_state(HandleState.HANDOFF_FAILED, reason)
-        await workflow.wait_condition(lambda: self._cancel is not None)
-        return await self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
+        await workflow.wait_condition(lambda: self._cancel is not None or self._replay is not None)
+        if self._cancel is not None:
+            return await self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
+        action, self._replay = self._replay, None
+        assert action is not None
+        return action
 
     def _apply(self, remote: ControllerJobStatus) -> None:
         assert self._status is not None
