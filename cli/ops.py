@@ -1,10 +1,170 @@
-"""`iris ops ...`: operator tools (SPEC §9)."""
+"""`iris ops ...`: operator tools (SPEC §9).
+
+Each command is one function registered on ``ops_app``; the logic it needs lives next to it (or in
+the SDK) so tests can call it without a subprocess.
+"""
 
 from __future__ import annotations
 
-import typer
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated
 
+import typer
+from temporalio.client import Client, WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.worker import Replayer
+from temporalio.workflow import NondeterminismError
+
+from cli import common
 from cli.replay import replay_handoff_command
+from iris.client import InvalidJob, Unavailable
+from iris.jobs import JOB_WORKFLOW_TYPE
+from iris.temporal import connect
 
 ops_app = typer.Typer(help="Operator tools: replay failed handoffs, check determinism.", no_args_is_help=True)
 ops_app.command("replay-handoff")(replay_handoff_command)
+
+
+# ---- check-determinism -----------------------------------------------------------------------
+
+DEFAULT_DETERMINISM_QUERY = f"WorkflowType = '{JOB_WORKFLOW_TYPE}'"
+# Exit code when some history does not replay (a deploy of this code would break those runs).
+EXIT_NOT_REPLAYABLE = 1
+
+
+def replayer() -> Replayer:
+    """A replayer of every workflow the worker runs, with the worker's data converter."""
+    from workflows.job import JobWorkflow
+    from workflows.placement import PlacementManager
+
+    return Replayer(workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter)
+
+
+def workflow_type_of(history: WorkflowHistory) -> str:
+    for event in history.events:
+        if event.HasField("workflow_execution_started_event_attributes"):
+            return str(event.workflow_execution_started_event_attributes.workflow_type.name)
+    return ""
+
+
+@dataclass
+class ReplayFailure:
+    workflow_id: str
+    run_id: str
+    workflow_type: str
+    nondeterministic: bool
+    message: str
+
+    def line(self) -> str:
+        kind = "nondeterministic" if self.nondeterministic else "replay failed"
+        return f"FAIL {self.workflow_id} (run {self.run_id}, {self.workflow_type}): {kind}: {self.message}"
+
+
+@dataclass
+class DeterminismReport:
+    """What one determinism check replayed and what did not replay cleanly."""
+
+    query: str
+    replayed: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    failures: list[ReplayFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        total = sum(self.replayed.values())
+        by_type = ", ".join(f"{name} {n}" for name, n in sorted(self.replayed.items()))
+        line = f"replayed {total} execution(s)" + (f" ({by_type})" if by_type else "")
+        line += f" against the current worker code: {len(self.failures)} failed"
+        if self.skipped:
+            names = ", ".join(f"{name} {n}" for name, n in sorted(self.skipped.items()))
+            skipped = sum(self.skipped.values())
+            line += f"; skipped {skipped} of workflow types this worker does not run ({names})"
+        return line + f"  [query: {self.query}]"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:500]
+
+
+async def replay_histories(histories: AsyncIterator[WorkflowHistory], query: str) -> DeterminismReport:
+    """Replay every history; workflow types the worker does not register are skipped and counted."""
+    known = {"JobWorkflow", "PlacementManager"}
+    report = DeterminismReport(query=query)
+
+    async def registered() -> AsyncIterator[WorkflowHistory]:
+        async for history in histories:
+            wf_type = workflow_type_of(history)
+            if wf_type in known:
+                report.replayed[wf_type] += 1
+                yield history
+            else:
+                report.skipped[wf_type or "?"] += 1
+
+    async with replayer().workflow_replay_iterator(registered()) as results:
+        async for result in results:
+            failure = result.replay_failure
+            if failure is None:
+                continue
+            history = result.history
+            report.failures.append(
+                ReplayFailure(
+                    workflow_id=history.workflow_id,
+                    run_id=history.run_id,
+                    workflow_type=workflow_type_of(history),
+                    nondeterministic=isinstance(failure, NondeterminismError),
+                    message=_first_line(failure),
+                )
+            )
+    return report
+
+
+async def check_determinism(client: Client, query: str, limit: int | None = None) -> DeterminismReport:
+    """Fetch the histories of every execution ``query`` matches and replay them against this code."""
+    try:
+        executions = client.list_workflows(query, limit=limit)
+        return await replay_histories(executions.map_histories(), query)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.INVALID_ARGUMENT:
+            raise InvalidJob(f"invalid query {query!r}: {exc.message}") from None
+        raise Unavailable(f"cannot read workflow histories: {exc.message}") from None
+
+
+def print_report(report: DeterminismReport) -> None:
+    typer.echo(report.summary())
+    for failure in report.failures:
+        typer.echo(failure.line())
+
+
+@ops_app.command("check-determinism")
+def check_determinism_command(
+    query: Annotated[
+        str,
+        typer.Option("--query", help="Temporal visibility query selecting the executions to replay."),
+    ] = DEFAULT_DETERMINISM_QUERY,
+    limit: Annotated[
+        int | None, typer.Option("--limit", min=1, help="Replay at most this many executions.")
+    ] = None,
+) -> None:
+    """Replay live workflow histories against the current worker code (run before a deploy).
+
+    Prints one summary line and one line per execution that does not replay; exits 1 if any.
+    """
+
+    async def go() -> int:
+        cfg = common.config()
+        try:
+            client = await connect(cfg)
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot reach Temporal at {cfg.temporal.address}: {exc}") from None
+        report = await check_determinism(client, query, limit)
+        print_report(report)
+        return common.EXIT_OK if report.ok else EXIT_NOT_REPLAYABLE
+
+    raise typer.Exit(common.run(go()))
