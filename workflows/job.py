@@ -108,6 +108,7 @@ class JobWorkflow:
         # cluster, and a cancel has to go through that cluster.
         self._delivered = False
         self._replay: ReplayRequest | None = None
+        self._explanation: str | None = None
         self._pin: str | None = None
         self._clusters: list[str] = []
 
@@ -118,20 +119,23 @@ class JobWorkflow:
         assert self._status is not None
         return self._status
 
+    def _waiting_in_queue(self) -> bool:
+        # The tick may answer before this workflow has processed its own enqueue (a signal is
+        # delivered ahead of the activity result in the same task), so CLASSIFYING counts too.
+        st = self._status
+        return st is not None and st.state in (JobState.CLASSIFYING, JobState.QUEUED_HANDOFF)
+
     @workflow.signal
     def place(self, placement: Placement) -> None:
         """From the placement tick: promote the job to this (peer, backend)."""
         # An operator's replay target, already set, is not overridden by the tick.
-        if (
-            self._status is not None
-            and self._status.state is JobState.QUEUED_HANDOFF
-            and self._placement is None
-        ):
+        if self._waiting_in_queue() and self._placement is None:
             self._placement = placement
 
     @workflow.signal
     def explain(self, reason: str) -> None:
         """From the placement tick: why the job is still queued (the pending reason)."""
+        self._explanation = reason
         if self._status is not None and self._status.state is JobState.QUEUED_HANDOFF:
             self._set(JobState.QUEUED_HANDOFF, reason, record=False)
 
@@ -302,6 +306,8 @@ class JobWorkflow:
         await self._enqueue(shape)
         pin = decision.pinned_cluster
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(pin) if pin else QUEUED_REASON)
+        if self._explanation is not None:
+            self._set(JobState.QUEUED_HANDOFF, self._explanation, record=False)
         placement = await self._await_promotion(spec)
         if isinstance(placement, JobStatus):
             return placement
