@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from temporalio.client import Client, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
@@ -36,11 +37,18 @@ EXIT_NOT_REPLAYABLE = 1
 
 
 def replayer() -> Replayer:
-    """A replayer of every workflow the worker runs, with the worker's data converter."""
+    """A replayer of every workflow the worker runs, with the worker's data converter.
+
+    Its own runtime logs nothing: the SDK core would print each nondeterminism as a warning on
+    stdout, and the report already says it once, in one line.
+    """
     from workflows.job import JobWorkflow
     from workflows.placement import PlacementManager
 
-    return Replayer(workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter)
+    quiet = Runtime(telemetry=TelemetryConfig(logging=None))
+    return Replayer(
+        workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter, runtime=quiet
+    )
 
 
 def workflow_type_of(history: WorkflowHistory) -> str:

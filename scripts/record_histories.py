@@ -1,0 +1,291 @@
+"""Record the JSON histories the determinism test replays (tests/determinism/histories/).
+
+Starts the same real stack the tests use (tests/stack.py: Temporal dev server, emulators, three
+controllers behind fault proxies, an in-process worker), drives one job down each main path of
+JobWorkflow, and writes each finished history as ``<scenario>.json`` (the format of
+``temporal workflow show -o json``), plus the placement manager's history so far.
+
+Regenerate after every change to workflows/ (one command, about a minute)::
+
+    uv run python -m scripts.record_histories            # every scenario
+    uv run python -m scripts.record_histories --only local rejected
+
+Then commit the files: the test suite replays each against the workflow code it ships with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from stack import Stack, StackRunner  # noqa: E402
+
+from iris.jobs import JOB_WORKFLOW_TYPE, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
+from iris.policy.models import DeviceRequest  # noqa: E402
+
+OUT_DIR = ROOT / "tests" / "determinism" / "histories"
+USER = "recorder@example.com"
+H100 = {"device_type": "h100", "gpu_count": 8}
+
+
+async def _state(stack: Stack, job_id: str, *states: JobState, within: float = 90.0) -> JobStatus:
+    deadline = time.monotonic() + within
+    while True:
+        status = await stack.iris.describe(job_id)
+        if status.state in states:
+            return status
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{job_id} is {status.state.value}, not in {states}: {status.reason}")
+        await asyncio.sleep(0.2)
+
+
+async def _closed(stack: Stack, job_id: str, within: float = 90.0) -> None:
+    """Until the workflow itself has closed (not only reached a terminal job state)."""
+    handle = stack.client.get_workflow_handle(job_id)
+    deadline = time.monotonic() + within
+    while (await handle.describe()).close_time is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workflow {job_id} did not close within {within}s")
+        await asyncio.sleep(0.2)
+
+
+async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str:
+    return await stack.iris.submit(command, name=f"hist-{name}", user=USER, **kw)
+
+
+def _put_s3(stack: Stack, bucket: str, key: str) -> None:
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{stack.config.s3_port}",
+        region_name="us-east-1",
+        aws_access_key_id="recorder",
+        aws_secret_access_key="recorder",
+    )
+    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
+
+
+# ---- scenarios: each drives one job to the end of its path and returns its id ----------------
+
+
+async def local(stack: Stack) -> str:
+    job_id = await _submit(stack, "local", ["echo", "hello"])
+    await _state(stack, job_id, JobState.SUCCEEDED)
+    return job_id
+
+
+async def queued_handed_off(stack: Stack) -> str:
+    await asyncio.to_thread(_put_s3, stack, "cw-us-east-02a-artifacts", "hist/shard-0")
+    await asyncio.to_thread(_put_s3, stack, "cw-rno2a-artifacts", "hist/shard-0")
+    job_id = await _submit(
+        stack,
+        "queued-handed-off",
+        ["echo", "on a peer"],
+        artifacts=["s3://cw-rno2a-artifacts/hist/shard-0"],
+        **H100,
+    )
+    await _state(stack, job_id, JobState.SUCCEEDED)
+    return job_id
+
+
+async def cancelled_while_queued(stack: Stack) -> str:
+    job_id = await _submit(stack, "cancel-queued", ["true"], replicas=3, **H100)  # fits nowhere: waits
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    outcome = await stack.iris.cancel_and_report(job_id)
+    assert outcome.won, outcome
+    return job_id
+
+
+async def cancelled_by_signal_while_queued(stack: Stack) -> str:
+    job_id = await _submit(stack, "cancel-signal", ["true"], replicas=3, **H100)
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    await stack.iris.cancel(job_id)
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def cancelled_through_temporal(stack: Stack) -> str:
+    job_id = await _submit(stack, "cancel-temporal", ["true"], replicas=3, **H100)
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    await stack.client.get_workflow_handle(job_id).cancel()
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def cancelled_while_running(stack: Stack) -> str:
+    job_id = await _submit(stack, "cancel-running", ["sleep", "300"], target_cluster="cw-rno2a")
+    await _state(stack, job_id, JobState.RUNNING)
+    outcome = await stack.iris.cancel_and_report(job_id)
+    assert not outcome.won, outcome
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def rejected(stack: Stack) -> str:
+    # The SDK's precheck refuses this before anything starts, so the workflow is started directly:
+    # the path exists for a federation whose live reports no longer match the configured shapes.
+    spec = JobSpec(
+        job_id="recorder/hist-rejected",
+        name="hist-rejected",
+        user=USER,
+        command=["true"],
+        device=DeviceRequest(type="tpu", variant="tpu-v9", count=4),
+        submit_ms=int(time.time() * 1000),
+    )
+    await stack.client.start_workflow(
+        JOB_WORKFLOW_TYPE,
+        spec,
+        id=spec.job_id,
+        task_queue=stack.config.temporal.task_queue,
+        search_attributes=start_search_attributes(spec),
+    )
+    await _state(stack, spec.job_id, JobState.REJECTED)
+    return spec.job_id
+
+
+async def handoff_rejected(stack: Stack) -> str:
+    job_id = await _submit(
+        stack, "handoff-rejected", ["true"], target_cluster="cw-rno2a", device_type="tpu-v9", gpu_count=4
+    )
+    await _state(stack, job_id, JobState.HANDOFF_REJECTED)
+    return job_id
+
+
+async def parked_missing_artifact_cancelled(stack: Stack) -> str:
+    uri = "s3://cw-rno2a-artifacts/hist/missing.bin"
+    job_id = await _submit(stack, "parked-cancelled", ["true"], target_cluster="cw-rno2a", artifacts=[uri])
+    await _state(stack, job_id, JobState.HANDOFF_FAILED)
+    outcome = await stack.iris.cancel_and_report(job_id)
+    assert outcome.won, outcome
+    return job_id
+
+
+async def parked_replayed(stack: Stack) -> str:
+    uri = "s3://cw-rno2a-artifacts/hist/late.bin"
+    job_id = await _submit(
+        stack, "parked-replayed", ["echo", "late"], target_cluster="cw-rno2a", artifacts=[uri]
+    )
+    await _state(stack, job_id, JobState.HANDOFF_FAILED)
+    await asyncio.to_thread(_put_s3, stack, "cw-rno2a-artifacts", "hist/late.bin")
+    await stack.iris.replay_handoff(job_id)
+    await _state(stack, job_id, JobState.SUCCEEDED)
+    return job_id
+
+
+async def deadline_unschedulable(stack: Stack) -> str:
+    job_id = await _submit(stack, "deadline", ["true"], replicas=3, scheduling_timeout_s=2, **H100)
+    await _state(stack, job_id, JobState.UNSCHEDULABLE)
+    return job_id
+
+
+async def outage_parked_cancelled(stack: Stack) -> str:
+    # Every launch to the peer is refused as UNAVAILABLE: retried with backoff, then parked.
+    proxy = stack.proxies["cw-us-east-02a"]
+    proxy.fail_launches = 1000
+    try:
+        job_id = await _submit(stack, "outage", ["true"], target_cluster="cw-us-east-02a")
+        await _state(stack, job_id, JobState.HANDOFF_FAILED, within=120)
+    finally:
+        proxy.fail_launches = 0
+    await stack.iris.cancel(job_id)
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+Drive = Callable[[Stack], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Drive
+    alone: bool = False  # needs the stack to itself (fault injection on a shared peer)
+
+
+SCENARIOS = [
+    Scenario("local", local),
+    Scenario("queued_handed_off", queued_handed_off),
+    Scenario("cancelled_while_queued", cancelled_while_queued),
+    Scenario("cancelled_by_signal_while_queued", cancelled_by_signal_while_queued),
+    Scenario("cancelled_through_temporal", cancelled_through_temporal),
+    Scenario("cancelled_while_running", cancelled_while_running),
+    Scenario("rejected", rejected),
+    Scenario("handoff_rejected", handoff_rejected),
+    Scenario("parked_missing_artifact_cancelled", parked_missing_artifact_cancelled),
+    Scenario("parked_replayed", parked_replayed),
+    Scenario("deadline_unschedulable", deadline_unschedulable),
+    Scenario("outage_parked_cancelled", outage_parked_cancelled, alone=True),
+]
+MANAGER = "placement_manager"
+
+
+async def _save(stack: Stack, workflow_id: str, out: Path) -> None:
+    history = await stack.client.get_workflow_handle(workflow_id).fetch_history()
+    # Pretty-printed so a regeneration shows up as a readable diff.
+    text = json.dumps(history.to_json_dict(), indent=1, sort_keys=True) + "\n"
+    await asyncio.to_thread(out.write_text, text)
+
+
+async def record(names: set[str] | None, out_dir: Path) -> list[Path]:
+    chosen = [s for s in SCENARIOS if names is None or s.name in names]
+    root = Path(tempfile.mkdtemp(prefix="iris-histories-"))
+    runner = StackRunner(root)
+    written: list[Path] = []
+    try:
+        stack = await runner.start()
+
+        async def one(scenario: Scenario) -> None:
+            started = time.monotonic()
+            job_id = await scenario.run(stack)
+            await _closed(stack, job_id)
+            path = out_dir / f"{scenario.name}.json"
+            await _save(stack, job_id, path)
+            written.append(path)
+            print(f"  {scenario.name:<36} {job_id:<44} {time.monotonic() - started:5.1f}s", flush=True)
+
+        await asyncio.gather(*(one(s) for s in chosen if not s.alone))
+        for scenario in (s for s in chosen if s.alone):
+            await one(scenario)
+        if names is None or MANAGER in names:
+            manager_id = f"iris-placement-manager/{stack.config.temporal.task_queue}"
+            path = out_dir / f"{MANAGER}.json"
+            await _save(stack, manager_id, path)
+            written.append(path)
+            print(f"  {MANAGER:<36} {manager_id}", flush=True)
+    finally:
+        await runner.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    names = [s.name for s in SCENARIOS] + [MANAGER]
+    parser.add_argument("--only", nargs="+", choices=names, help="record only these scenarios")
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output directory (default {OUT_DIR})")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print(f"recording into {args.out}", flush=True)
+    written = asyncio.run(record(set(args.only) if args.only else None, args.out))
+    print(f"wrote {len(written)} histories in {time.monotonic() - started:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

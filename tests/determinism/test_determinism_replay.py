@@ -1,0 +1,109 @@
+"""Determinism (SPEC §9): every committed history replays against the current workflow code.
+
+The histories under ``histories/`` were recorded on the real stack by
+``uv run python -m scripts.record_histories``; a change to workflows/ that breaks one of them would
+break every run in flight at deploy time. Regenerate them (one command) when the change is meant.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from cli.ops import replay_histories, workflow_type_of
+from workflows.job import JobWorkflow
+from workflows.placement import PlacementManager
+
+# The main paths of SPEC §3 the recorder drives; each must stay covered.
+REQUIRED = {
+    "local",
+    "queued_handed_off",
+    "cancelled_while_queued",
+    "cancelled_while_running",
+    "rejected",
+    "parked_missing_artifact_cancelled",
+    "parked_replayed",
+    "deadline_unschedulable",
+    "placement_manager",
+}
+HISTORY_DIR = Path(__file__).parent / "histories"
+REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
+
+
+def committed_histories() -> list[Path]:
+    return sorted(HISTORY_DIR.glob("*.json"))
+
+
+def load(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+
+
+def test_every_main_path_has_a_committed_history() -> None:
+    present = {p.stem for p in committed_histories()}
+    assert present >= REQUIRED, f"missing histories {sorted(REQUIRED - present)} in {HISTORY_DIR}"
+
+
+@pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)
+async def test_committed_history_replays_against_the_current_code(path: Path) -> None:
+    history = load(path)
+    replayer = Replayer(workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert result.replay_failure is None, (
+        f"{path.name} no longer replays: {result.replay_failure}; {REGENERATE}"
+    )
+
+
+async def test_the_ops_replay_reports_every_committed_history_clean() -> None:
+    async def histories() -> AsyncIterator[WorkflowHistory]:
+        for path in committed_histories():
+            yield load(path)
+
+    report = await replay_histories(histories(), "committed histories")
+    assert report.ok, "\n".join(f.line() for f in report.failures)
+    assert sum(report.replayed.values()) == len(committed_histories())
+    assert report.replayed["PlacementManager"] == 1
+
+
+def test_histories_end_where_their_name_says() -> None:
+    """The recorder drove each job to the end of its path (a broken recording is not a test)."""
+    expected = {
+        "local": "SUCCEEDED",
+        "queued_handed_off": "SUCCEEDED",
+        "cancelled_while_queued": "KILLED",
+        "cancelled_while_running": "KILLED",
+        "rejected": "REJECTED",
+        "parked_missing_artifact_cancelled": "KILLED",
+        "parked_replayed": "SUCCEEDED",
+        "deadline_unschedulable": "UNSCHEDULABLE",
+    }
+    for name, state in expected.items():
+        history = load(HISTORY_DIR / f"{name}.json")
+        assert workflow_type_of(history) == "JobWorkflow"
+        last = history.events[-1]
+        assert last.HasField("workflow_execution_completed_event_attributes"), name
+        payload = last.workflow_execution_completed_event_attributes.result.payloads[0]
+        assert json.loads(payload.data)["state"] == state, name
+
+
+async def test_a_history_the_code_did_not_produce_is_reported_nondeterministic() -> None:
+    """The check can fail: the first activity of a recorded run renamed, as a code change would."""
+    history = load(HISTORY_DIR / "local.json")
+    for event in history.events:
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            event.activity_task_scheduled_event_attributes.activity_type.name = "fetch_reports_v2"
+            break
+
+    async def one() -> AsyncIterator[WorkflowHistory]:
+        yield history
+
+    report = await replay_histories(one(), "drifted")
+    assert not report.ok
+    [failure] = report.failures
+    assert failure.nondeterministic and failure.workflow_type == "JobWorkflow"
+    assert failure.line().startswith("FAIL local (run ")
