@@ -14,6 +14,7 @@ from cli.dev import dev_command
 from cli.job import job_app
 from cli.keys import keys_app
 from cli.ops import ops_app
+from cli.peers import peers_command, rpc_app
 from iris.config import DEFAULT_DATA_DIR
 
 app = typer.Typer(
@@ -29,6 +30,8 @@ app = typer.Typer(
 app.add_typer(job_app, name="job")
 app.add_typer(keys_app, name="keys")
 app.add_typer(ops_app, name="ops")
+app.add_typer(rpc_app, name="rpc")
+app.command("peers")(peers_command)
 app.command("dev")(dev_command)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import json
 import sys
@@ -29,6 +31,10 @@ def _age(ms_or_dt: int | dt.datetime | None) -> str:
         if secs >= size:
             return f"{secs // size}{unit}"
     return f"{secs}s"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _parse_env(items: list[str]) -> dict[str, str]:
@@ -121,11 +127,22 @@ def run_command(
                 typer.echo(f"{_clock(ev.at_ms)} {ev.state.value:<16} {ev.message}", err=True)
             printed = len(st.events)
 
+        async def stream_logs() -> None:
+            async for data in client.follow_logs(job_id):
+                sys.stdout.write(data)
+                sys.stdout.flush()
+
+        logs = asyncio.create_task(stream_logs())
         try:
             final = await client.wait(job_id, on_change=show)
+            # The relay is complete once the job is terminal: let the stream drain, briefly.
+            with contextlib.suppress(TimeoutError, IrisError):
+                await asyncio.wait_for(logs, timeout=30)
         except KeyboardInterrupt:
             typer.echo(f"stopped waiting; the job goes on (iris job cancel {job_id})", err=True)
             return common.EXIT_INTERRUPTED
+        finally:
+            logs.cancel()
         return common.EXIT_OK if final.state is JobState.SUCCEEDED else common.EXIT_JOB_FAILED
 
     raise typer.Exit(common.run(go()))
@@ -150,7 +167,7 @@ def list_command(
         if as_json:
             typer.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
             return
-        header = ("JOB ID", "STATE", "CLUSTER", "BAND", "DEVICE", "USER", "AGE")
+        header = ("JOB ID", "STATE", "CLUSTER", "BAND", "DEVICE", "USER", "AGE", "REASON")
         table = [header] + [
             (
                 r.job_id,
@@ -160,6 +177,7 @@ def list_command(
                 r.device or "-",
                 r.user or "-",
                 _age(r.started_at),
+                _clip(r.reason, 70),
             )
             for r in rows
         ]
@@ -203,8 +221,22 @@ def describe_command(
             lines.append(f"Exit code:      {st.exit_code}")
         if st.error:
             lines.append(f"Error:          {st.error}")
+        if st.handoff_attempts:
+            lines.append(f"Handoffs:       {st.handoff_attempts}")
+        if st.tasks:
+            lines.append("Tasks:")
+            for t in st.tasks:
+                exit_code = f" exit {t.exit_code}" if t.exit_code is not None else ""
+                slots = f" slots {','.join(map(str, t.slots))}" if t.slots else ""
+                lines.append(f"  replica {t.index}: {t.state}{exit_code}{slots}")
         lines.append("Events:")
         lines += [f"  {_clock(e.at_ms)}  {e.state.value:<16} {e.message}" for e in st.events]
+        if st.cluster is not None:
+            with contextlib.suppress(IrisError):
+                tail = (await client.logs(job_id)).data.splitlines()[-10:]
+                if tail:
+                    lines.append("Log tail:")
+                    lines += [f"  {line}" for line in tail]
         typer.echo("\n".join(lines))
 
     common.run(go())

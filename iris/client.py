@@ -21,20 +21,26 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from iris.config import FederationConfig, load_config
-from iris.controller.models import LogChunk
+from iris.config import ConfigError, FederationConfig, load_config
+from iris.controller.models import LogChunk, validate_job_id
 from iris.jobs import (
     JOB_WORKFLOW_TYPE,
     SA_BAND,
@@ -54,7 +60,7 @@ from iris.jobs import (
 from iris.logrelay import LogRelay
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
-from iris.reports import config_view
+from iris.reports import FederationView, config_view
 from iris.temporal import connect
 
 T = TypeVar("T")
@@ -63,6 +69,13 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 64 * 1024
 MAX_COMMAND_BYTES = 64 * 1024
+# Limits of the controller API (LaunchRequest): refused at submit, not at handoff.
+MAX_COMMAND_ARGS = 4096
+MAX_USER_CHARS = 256
+MAX_ARTIFACTS = 1024
+MAX_ATTRIBUTE_CHARS = 128
+_ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class IrisError(Exception):
@@ -104,6 +117,7 @@ class JobSummary(BaseModel):
     user: str | None
     started_at: datetime | None
     closed: bool
+    reason: str = ""
 
 
 def current_user() -> str:
@@ -121,6 +135,14 @@ def _default_name(command: Sequence[str]) -> str:
         base = Path(command[1]).stem
     base = re.sub(r"[^A-Za-z0-9._-]", "-", base).strip("-.") or "job"
     return f"{base[:40]}-{secrets.token_hex(3)}"
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def build_spec(
@@ -142,9 +164,13 @@ def build_spec(
     scheduling_timeout_s: float | None = None,
 ) -> JobSpec:
     """Validate user input into a JobSpec; raise InvalidJob with a one-line message."""
+    if isinstance(command, str | bytes) or not all(isinstance(a, str) for a in command):
+        raise InvalidJob("command must be a list of strings, e.g. ['python', 'train.py']")
     cmd = list(command)
     if not cmd or not cmd[0].strip():
         raise InvalidJob("no command given: put it after `--`, e.g. `iris job run -- python train.py`")
+    if len(cmd) > MAX_COMMAND_ARGS:
+        raise InvalidJob(f"command has more than {MAX_COMMAND_ARGS} arguments")
     if sum(len(a.encode("utf-8", "surrogatepass")) for a in cmd) > MAX_COMMAND_BYTES:
         raise InvalidJob(f"command is larger than {MAX_COMMAND_BYTES} bytes")
     for arg in cmd:
@@ -155,38 +181,70 @@ def build_spec(
         except UnicodeEncodeError:
             raise InvalidJob("command is not valid UTF-8") from None
     who = user or current_user()
+    if len(who) > MAX_USER_CHARS or _CONTROL_RE.search(who) or not _is_utf8(who):
+        raise InvalidJob(
+            f"invalid user {who[:64]!r}: at most {MAX_USER_CHARS} UTF-8 characters, no control ones"
+        )
     job_name = name or _default_name(cmd)
-    if not _NAME_RE.match(job_name):
-        raise InvalidJob(f"invalid job name {job_name!r}: use 1-63 letters, digits, '.', '_' or '-'")
+    if not _NAME_RE.fullmatch(job_name):
+        raise InvalidJob(f"invalid job name {job_name[:64]!r}: use 1-63 letters, digits, '.', '_' or '-'")
+    for flag, count in (("--gpu-count", gpu_count), ("--replicas", replicas)):
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise InvalidJob(f"{flag} must be a whole number, got {count!r:.40}")
     try:
         device = device_request(device_type, device_variant, gpu_count, replicas)
     except ValueError as exc:
         raise InvalidJob(str(exc)) from None
+    if not isinstance(priority, Band | str):
+        raise InvalidJob(
+            f"unknown priority band {priority!r:.40} (expected production, interactive or batch)"
+        )
     try:
         band = priority if isinstance(priority, Band) else Band.parse(priority)
     except ValueError as exc:
         raise InvalidJob(str(exc)) from None
+    if target_cluster is not None and not target_cluster.strip():
+        raise InvalidJob("--target-cluster must not be empty")
     constraints: list[Constraint] = []
     for key, value in (("region", region), ("zone", zone)):
         if value is not None:
             if not value.strip():
                 raise InvalidJob(f"--{key} must not be empty")
+            if len(value) > MAX_ATTRIBUTE_CHARS or _CONTROL_RE.search(value) or not _is_utf8(value):
+                raise InvalidJob(
+                    f"invalid --{key} {value[:64]!r}: at most {MAX_ATTRIBUTE_CHARS} printable characters"
+                )
             constraints.append(Constraint(key=key, op=Op.EQ, values=(value.strip().lower(),)))
     if preemptible is not None:
         constraints.append(Constraint(key="preemptible", op=Op.EQ, values=(str(preemptible).lower(),)))
+    if isinstance(artifacts, str) or len(artifacts) > MAX_ARTIFACTS:
+        raise InvalidJob(f"artifacts must be a list of at most {MAX_ARTIFACTS} URIs")
     for uri in artifacts:
-        if not re.match(r"^(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/.+", uri):
-            raise InvalidJob(f"invalid artifact URI {uri!r}: expected gs://bucket/path or s3://bucket/path")
+        if not isinstance(uri, str) or not _ARTIFACT_RE.fullmatch(uri):
+            raise InvalidJob(
+                f"invalid artifact URI {str(uri)[:80]!r}: expected gs://bucket/path or s3://bucket/path"
+            )
     job_env = dict(env or {})
-    for key in job_env:
-        if not _ENV_KEY_RE.match(key):
-            raise InvalidJob(f"invalid environment variable name {key!r}")
+    for key, value in job_env.items():
+        if not isinstance(key, str) or not _ENV_KEY_RE.fullmatch(key):
+            raise InvalidJob(f"invalid environment variable name {str(key)[:64]!r}")
+        if not isinstance(value, str) or "\x00" in value or not _is_utf8(value):
+            raise InvalidJob(f"environment variable {key} must be a UTF-8 string without NUL bytes")
     if sum(len(k) + len(v) for k, v in job_env.items()) > MAX_ENV_BYTES:
         raise InvalidJob(f"environment is larger than {MAX_ENV_BYTES} bytes")
-    if scheduling_timeout_s is not None and not (0 < scheduling_timeout_s <= 30 * 86400):
+    if scheduling_timeout_s is not None and (
+        isinstance(scheduling_timeout_s, bool)
+        or not isinstance(scheduling_timeout_s, int | float)
+        or not (0 < scheduling_timeout_s <= 30 * 86400)
+    ):
         raise InvalidJob("scheduling timeout must be between 1s and 30 days")
+    job_id = f"{_user_prefix(who)}/{job_name}"
+    try:
+        validate_job_id(job_id)
+    except ValueError as exc:
+        raise InvalidJob(f"invalid job id {job_id[:80]!r}: {exc}") from None
     return JobSpec(
-        job_id=f"{_user_prefix(who)}/{job_name}",
+        job_id=job_id,
         name=job_name,
         user=who,
         command=cmd,
@@ -218,6 +276,8 @@ class AsyncIrisClient:
         cfg = config if isinstance(config, FederationConfig) else load_config(config)
         try:
             temporal = await connect(cfg)
+        except ConfigError as exc:
+            raise InvalidJob(str(exc)) from None
         except RuntimeError as exc:
             raise Unavailable(f"cannot reach Temporal at {cfg.temporal.address}: {exc}") from None
         return cls(temporal, cfg)
@@ -304,6 +364,24 @@ class AsyncIrisClient:
                     won=False, state=status.state, message=f"job already ended as {status.state}"
                 )
             raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+
+    async def peers(self) -> FederationView:
+        """Every cluster's live report (reachability, backends, capacity), polled by a worker."""
+        try:
+            view: FederationView = await self.temporal.execute_workflow(
+                "ListPeers",
+                id=f"iris-rpc/list-peers/{uuid.uuid4()}",
+                task_queue=self.config.temporal.task_queue,
+                result_type=FederationView,
+                static_summary="iris peers",
+                execution_timeout=timedelta(seconds=60),
+                request_eager_start=True,
+            )
+        except RPCError as exc:
+            raise Unavailable(f"cannot list peers: {exc.message}") from None
+        except WorkflowFailureError as exc:
+            raise Unavailable(f"cannot list peers: {exc.cause or exc}") from None
+        return view
 
     async def replay_handoff(
         self, job_id: str, *, peer: str | None = None, requeue: bool = False, reason: str = "operator replay"
@@ -403,6 +481,7 @@ class AsyncIrisClient:
                         user=sa.get(SA_SUBMITTER),
                         started_at=wf.start_time,
                         closed=wf.status is not None and wf.status != WorkflowExecutionStatus.RUNNING,
+                        reason=str((await wf.memo()).get("reason", "")),
                     )
                 )
         except RPCError as exc:
@@ -513,6 +592,12 @@ class IrisClient:
 
     def logs(self, job_id: str, offset: int = 0) -> LogChunk:
         return self._run(self._async.logs(job_id, offset))
+
+    def peers(self) -> FederationView:
+        return self._run(self._async.peers())
+
+    def replay_handoff(self, job_id: str, *, peer: str | None = None, requeue: bool = False) -> str:
+        return self._run(self._async.replay_handoff(job_id, peer=peer, requeue=requeue))
 
     def iter_logs(self, job_id: str) -> Iterator[str]:
         agen = self._async.follow_logs(job_id)

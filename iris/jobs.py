@@ -117,6 +117,15 @@ class JobEvent(BaseModel):
     message: str
 
 
+class TaskView(BaseModel):
+    """One replica of the job as the cluster running it last reported it."""
+
+    index: int
+    state: str
+    exit_code: int | None = None
+    slots: list[int] = Field(default_factory=list)
+
+
 class JobStatus(BaseModel):
     """What the job workflow knows about its job; the answer to the ``status`` query."""
 
@@ -133,6 +142,8 @@ class JobStatus(BaseModel):
     submit_ms: int = 0
     updated_ms: int = 0
     events: list[JobEvent] = Field(default_factory=list)
+    tasks: list[TaskView] = Field(default_factory=list)
+    handoff_attempts: int = 0
     spec: JobSpec | None = None
 
     @property

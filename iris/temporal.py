@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
 
-from iris.config import FederationConfig
+from iris.config import ConfigError, FederationConfig
 
 
-def temporal_target(config: FederationConfig) -> tuple[str, str]:
-    """Address and namespace: Temporal's standard env variables override the federation config."""
-    address = os.environ.get("TEMPORAL_ADDRESS") or config.temporal.address
-    namespace = os.environ.get("TEMPORAL_NAMESPACE") or config.temporal.namespace
-    return address, namespace
+def connect_args(config: FederationConfig) -> dict[str, Any]:
+    """The federation file's address and namespace, overridden by Temporal's standard client
+    configuration when present: ``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``TEMPORAL_API_KEY``,
+    TLS settings, and profiles (``TEMPORAL_PROFILE``, ``TEMPORAL_CONFIG_FILE``), as the ``temporal``
+    CLI reads them."""
+    try:
+        standard = dict(ClientConfig.load_client_connect_config())
+    except Exception as exc:  # a malformed profile file is the user's to fix: say which
+        raise ConfigError(f"Temporal client configuration is invalid: {exc}") from None
+    args: dict[str, Any] = {"target_host": config.temporal.address, "namespace": config.temporal.namespace}
+    args.update({k: v for k, v in standard.items() if v})
+    return args
 
 
 async def connect(config: FederationConfig) -> Client:
-    address, namespace = temporal_target(config)
-    return await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
+    args = connect_args(config)
+    return await Client.connect(args.pop("target_host"), data_converter=pydantic_data_converter, **args)

@@ -18,6 +18,7 @@ from iris.logrelay import LogRelay
 from iris.store import FederationStore
 from iris.temporal import connect
 from workflows.job import JobWorkflow
+from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
 
 
@@ -29,7 +30,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
     return Worker(
         client,
         task_queue=config.temporal.task_queue,
-        workflows=[JobWorkflow, PlacementManager],
+        workflows=[JobWorkflow, PlacementManager, ListPeersWorkflow],
         activities=[
             peers.fetch_reports,
             peers.launch_job,

@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
         JobState,
         JobStatus,
         ReplayRequest,
+        TaskView,
     )
     from iris.policy import QUEUED_REASON, classify, pick_backend, queued_for_peer_reason
     from iris.policy.models import Disposition, JobShape, Placement
@@ -109,6 +110,7 @@ class JobWorkflow:
         self._delivered = False
         self._replay: ReplayRequest | None = None
         self._explanation: str | None = None
+        self._memo_reason: str | None = None
         self._pin: str | None = None
         self._clusters: list[str] = []
 
@@ -222,6 +224,10 @@ class JobWorkflow:
         if changed and record:
             self._event(state, reason)
         workflow.upsert_search_attributes(updates)
+        if reason != self._memo_reason:
+            # The reason rides in the memo so `iris job list` shows it without querying every job.
+            self._memo_reason = reason
+            workflow.upsert_memo({"reason": reason})
         workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
 
     async def _finish(self, state: JobState, reason: str) -> JobStatus:
@@ -465,6 +471,7 @@ class JobWorkflow:
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         # The delivery commit point: set in the same workflow task that schedules the launch.
         self._delivered = True
+        self._status.handoff_attempts += 1
         request = LaunchRequest(
             job_id=spec.job_id,
             command=spec.command,
@@ -543,6 +550,10 @@ class JobWorkflow:
         self._status.exit_code = remote.exit_code
         self._status.error = remote.error
         self._status.backend_id = remote.backend_id
+        self._status.tasks = [
+            TaskView(index=t.index, state=t.state.value, exit_code=t.exit_code, slots=t.slots)
+            for t in remote.tasks
+        ]
         cluster = self._status.cluster or ""
         reasons = {
             JobState.PENDING: f"Waiting for devices on {cluster}",

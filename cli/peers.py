@@ -1,0 +1,93 @@
+"""`iris peers` and `iris rpc controller list-peers`: what every cluster reports right now."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import typer
+
+from cli import common
+from iris.policy.models import PeerReport
+from iris.reports import FederationView
+
+rpc_app = typer.Typer(help="Raw RPC views, as JSON.", no_args_is_help=True)
+controller_app = typer.Typer(help="The federation manager's controller view.", no_args_is_help=True)
+rpc_app.add_typer(controller_app, name="controller")
+
+
+async def _view() -> FederationView:
+    client = await common.client()
+    return await client.peers()
+
+
+def peer_json(report: PeerReport) -> dict[str, Any]:
+    """One peer in the documented shape (SPEC §10), plus ``error`` when it is unreachable."""
+    out: dict[str, Any] = {
+        "peer_id": report.peer_id,
+        "reachable": report.reachable,
+        "last_contact_ms": report.last_contact_ms,
+        "backends": [b.model_dump(mode="json") for b in report.backends],
+    }
+    if report.error:
+        out["error"] = report.error
+    return out
+
+
+@controller_app.command("list-peers")
+def list_peers_command() -> None:
+    """Print `{peers:[{peer_id, reachable, last_contact_ms, backends:[{backend_id,
+    advertised_attributes, availability}]}]}` for every cluster, the home one included."""
+    view = common.run(_view())
+    typer.echo(json.dumps({"peers": [peer_json(r) for r in view.reports]}, indent=2))
+
+
+def _age_ms(ms: int | None) -> str:
+    if ms is None:
+        return "never"
+    secs = max(0.0, dt.datetime.now().timestamp() - ms / 1000)
+    return f"{secs:.1f}s ago" if secs < 120 else f"{int(secs // 60)}m ago"
+
+
+def peers_command() -> None:
+    """Every cluster: reachable, last contact, and per backend free/total and held by band."""
+    view = common.run(_view())
+    header = ("CLUSTER", "REACHABLE", "CONTACT", "BACKEND", "FREE/TOTAL", "HELD BY BAND")
+    rows: list[tuple[str, ...]] = [header]
+    for r in view.reports:
+        name = f"{r.peer_id} (home)" if r.peer_id == view.home else r.peer_id
+        if not r.reachable or not r.backends:
+            rows.append(
+                (name, "yes" if r.reachable else "no", _age_ms(r.last_contact_ms), "-", "-", r.error or "-")
+            )
+            continue
+        for i, b in enumerate(r.backends):
+            a = b.availability
+            if a is None:
+                free, held = "shape only", "-"
+            elif not a.total_amounts:
+                free, held = "cpu", "-"
+            else:
+                free = " ".join(f"{t} {a.amounts.get(t, 0)}/{n}" for t, n in sorted(a.total_amounts.items()))
+                held = (
+                    " ".join(
+                        f"{h.band.label}:" + ",".join(f"{t}={n}" for t, n in sorted(h.amounts.items()))
+                        for h in a.held_by_band
+                    )
+                    or "-"
+                )
+            first = i == 0
+            rows.append(
+                (
+                    name if first else "",
+                    ("yes" if r.reachable else "no") if first else "",
+                    _age_ms(r.last_contact_ms) if first else "",
+                    b.backend_id,
+                    free,
+                    held,
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
