@@ -12,6 +12,7 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -35,6 +36,20 @@ class BackendConfig(BaseModel):
     devices: dict[str, int] = Field(default_factory=dict)
     # How many jobs without devices may run at once (CPU jobs are not gated by the policy).
     cpu_slots: int = Field(default=8, ge=1)
+    # Where the jobs run: local processes with device slots, or a Ray cluster through its Jobs API.
+    # For "ray", `devices` names the tokens served and the most one job may ask for; the capacity
+    # report comes from Ray itself.
+    kind: Literal["process", "ray"] = "process"
+    # Ray: the Jobs API (dashboard) URL, e.g. "http://127.0.0.1:8265".
+    address: str = ""
+    # Ray: the GCS "host:port" capacity is read from; empty = the address's host, port 6379.
+    gcs_address: str = ""
+    # Ray: the custom resource of each device token (default: the token itself). Clusters sharing
+    # one Ray head keep their devices apart with distinct names, e.g. {"h100": "cw-rno2a/h100"}.
+    ray_resources: dict[str, str] = Field(default_factory=dict)
+    # Ray: CPUs and memory (MiB, 0 = none) each replica's entrypoint reserves besides its devices.
+    ray_cpus: float = Field(default=0.1, ge=0)
+    ray_memory_mb: int = Field(default=0, ge=0)
 
     @field_validator("attributes")
     @classmethod
@@ -48,6 +63,35 @@ class BackendConfig(BaseModel):
             if n < 0:
                 raise ValueError(f"device count for {token!r} must be >= 0")
         return {k.lower(): n for k, n in value.items()}
+
+    @field_validator("ray_resources")
+    @classmethod
+    def _lower_tokens(cls, value: dict[str, str]) -> dict[str, str]:
+        for token, name in value.items():
+            if not name.strip():
+                raise ValueError(f"Ray resource name for {token!r} must not be empty")
+        return {k.lower(): v for k, v in value.items()}
+
+    @model_validator(mode="after")
+    def _ray_settings(self) -> BackendConfig:
+        if self.kind == "ray":
+            if not self.address.startswith(("http://", "https://")):
+                raise ValueError(f'backend {self.id}: a Ray backend needs address = "http://HOST:PORT"')
+            unknown = sorted(set(self.ray_resources) - set(self.devices))
+            if unknown:
+                raise ValueError(f"backend {self.id}: ray_resources names tokens not in devices: {unknown}")
+        return self
+
+    @property
+    def ray_gcs_address(self) -> str:
+        """Where a Ray backend reads capacity: ``gcs_address``, else the dashboard's host on 6379."""
+        if self.gcs_address:
+            return self.gcs_address
+        host = urlsplit(self.address).hostname or "127.0.0.1"
+        return f"{host}:6379"
+
+    def ray_resource(self, token: str) -> str:
+        return self.ray_resources.get(token, token)
 
 
 class ObjectStoreConfig(BaseModel):

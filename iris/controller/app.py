@@ -1,4 +1,4 @@
-"""The cluster controller HTTP API (SPEC §5, §7, §8): FastAPI app over the process executor.
+"""The cluster controller HTTP API (SPEC §5, §7, §8): FastAPI app over the executor and its backends.
 
 Every error leaves as ``{"code", "message"}`` with one of six stable codes; request validation
 errors are INVALID_ARGUMENT (400), never FastAPI's default 422 shape.
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iris.config import ClusterConfig, FederationConfig
 from iris.controller.errors import ControllerError, NotFound, PermissionDenied
-from iris.controller.executor import MAX_LOG_CHUNK, Executor
+from iris.controller.executors import MAX_LOG_CHUNK, Executor
 from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, default_key_dir
 from iris.controller.models import (
     BackendsResponse,
@@ -219,7 +219,7 @@ def create_app(
         owned(executor, caller, job_id)
         if follow:
             return await executor.follow_log(job_id, offset, wait_s, limit)
-        return executor.read_log(job_id, offset, limit)
+        return await executor.read_log(job_id, offset, limit)
 
     @app.post("/v1/jobs/{job_id:path}/terminate", response_model=JobStatus, tags=["jobs"])
     async def terminate(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:

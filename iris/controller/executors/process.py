@@ -1,0 +1,432 @@
+"""The process backend: runs each job as local processes with exclusive device slots (SPEC §5).
+
+All bookkeeping happens on the event loop thread. A fit check and the slot allocation that follows
+it never straddle an ``await``, so concurrent launches cannot over-commit a backend. Every state
+transition is written to the store before the backend acts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from iris.config import BackendConfig
+from iris.controller.errors import InvalidArgument
+from iris.controller.executors.base import Backend, Demand, JobHost
+from iris.controller.models import ControllerJobState
+from iris.controller.state import JobRecord, now_ms
+from iris.policy.models import Availability, BackendReport, Band, HeldByBand
+
+log = logging.getLogger("iris.controller.executor")
+
+# The job's environment starts from these controller variables only: the controller's own
+# credentials (object-store keys, signing keys) must never leak into job processes or their logs.
+PASSTHROUGH_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+)
+RUN_ID_ENV = "IRIS_RUN_ID"
+
+
+class SlotPool:
+    """Exclusive slot indices of one device token on one backend."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free: set[int] = set(range(total))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError("slot pool over-committed")  # a bug: callers check fits() first
+        slots = sorted(self._free)[:n]
+        self._free.difference_update(slots)
+        return slots
+
+    def give(self, slots: Iterable[int]) -> None:
+        for s in slots:
+            if s in self._free or not 0 <= s < self.total:
+                raise RuntimeError(f"slot {s} released twice or out of range")
+            self._free.add(s)
+
+
+@dataclass
+class _Run:
+    """The live processes of one RUNNING job."""
+
+    job: JobRecord
+    procs: dict[int, asyncio.subprocess.Process] = field(default_factory=dict)  # task index -> process
+    task: asyncio.Task[None] | None = None
+    killer: asyncio.Task[None] | None = None
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _exit_code(returncode: int) -> int:
+    # asyncio reports death by signal N as -N; report it the way a shell would.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def kill_leftovers(run_ids: set[str]) -> dict[str, int]:
+    """SIGKILL every process whose environment carries one of ``run_ids``; count kills per run id.
+
+    Processes of a job outlive a controller killed with -9 (they have their own session). The run id
+    in their environment identifies them without trusting recorded pids, which may have been reused.
+    """
+    killed: dict[str, int] = {}
+    if not run_ids:
+        return killed
+    markers = {f"{RUN_ID_ENV}={rid}".encode(): rid for rid in run_ids}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return killed
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for var in environ.split(b"\0"):
+            rid = markers.get(var)
+            if rid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed[rid] = killed.get(rid, 0) + 1
+                break
+    return killed
+
+
+def settle_lost_run(host: JobHost, job: JobRecord, killed: int) -> None:
+    """A job recorded RUNNING by a previous controller whose processes died (or were killed) with it."""
+    note = f" ({killed} leftover process(es) killed)" if killed else ""
+    if job.terminate_requested:
+        host.settle(
+            job,
+            ControllerJobState.KILLED,
+            error="terminated; the controller restarted before the exit was observed" + note,
+        )
+    else:
+        host.settle(
+            job,
+            ControllerJobState.WORKER_FAILED,
+            error="the controller restarted while the job was running; "
+            "its processes and exit status were lost" + note,
+        )
+    log.info("job %s recovered as %s%s", job.job_id, job.state, note)
+
+
+class ProcessBackend(Backend):
+    """Local processes, one per replica, each holding exclusive slots of its backend."""
+
+    def __init__(self, config: BackendConfig, host: JobHost, *, kill_grace_s: float = 5.0) -> None:
+        super().__init__(config, host)
+        self.kill_grace_s = kill_grace_s
+        self.pools = {t: SlotPool(n) for t, n in config.devices.items()}
+        self.cpu_free = config.cpu_slots
+        # Pending jobs per resource, each served strictly in (band, arrival) order.
+        self.queues: dict[str, list[JobRecord]] = {}
+        # The capacity observation: when this backend's slot state last changed. The federation's
+        # reservations stay charged against it until the next change, so a job handed off but not
+        # yet started is never offered to a second job (SPEC §5 "same observation").
+        self.observed_ms = now_ms()
+        self._runs: dict[str, _Run] = {}
+        self._closing = False
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+
+    def changed(self) -> None:
+        self.observed_ms = max(now_ms(), self.observed_ms + 1)
+
+    def pending(self, resource: str) -> int:
+        """Chips already promised to jobs waiting here: not free for anyone else."""
+        return sum(self.demand(j.device).total for j in self.queues.get(resource, []))
+
+    def fits(self, demand: Demand) -> bool:
+        if demand.is_cpu:
+            return self.cpu_free >= demand.replicas
+        return self.pools[demand.resource].free >= demand.total
+
+    # ---- Backend ---------------------------------------------------------------------------
+
+    def recover(self, jobs: list[JobRecord]) -> None:
+        lost = {j.run_id for j in jobs if j.state is ControllerJobState.RUNNING}
+        killed = kill_leftovers(lost)
+        for job in jobs:
+            if job.state is ControllerJobState.RUNNING:
+                settle_lost_run(self.host, job, killed.get(job.run_id, 0))
+            elif job.state is ControllerJobState.PENDING:
+                try:
+                    self.demand(job.device)
+                except InvalidArgument as exc:
+                    self.host.settle(job, ControllerJobState.FAILED, error=exc.message)
+                    continue
+                self._enqueue(job)
+        self._schedule()
+
+    def accept(self, job: JobRecord) -> None:
+        self._enqueue(job)
+        self._schedule()
+
+    def cancel_pending(self, job: JobRecord) -> bool:
+        self._dequeue(job)
+        self.host.settle(job, ControllerJobState.KILLED, error="terminated before it started")
+        self._schedule()
+        return True
+
+    def stop(self, job: JobRecord) -> None:
+        run = self._runs.get(job.job_id)
+        if run is not None:
+            self._kill_run(job, run, grace_s=self.kill_grace_s)
+
+    def report(self) -> BackendReport:
+        held: dict[Band, dict[str, int]] = {}
+        for run in self._runs.values():
+            job = run.job
+            demand = self.demand(job.device)
+            if demand.is_cpu:
+                continue
+            by_token = held.setdefault(job.band, {})
+            by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
+        return BackendReport(
+            backend_id=self.config.id,
+            advertised_attributes=self.config.attributes,
+            availability=Availability(
+                observation_epoch_ms=self.observed_ms,
+                amounts={t: max(0, p.free - self.pending(t)) for t, p in self.pools.items()},
+                total_amounts={t: p.total for t, p in self.pools.items()},
+                held_by_band=[
+                    HeldByBand(band=band, amounts=amounts) for band, amounts in sorted(held.items())
+                ],
+            ),
+        )
+
+    async def shutdown(self) -> None:
+        """Stop every running job (they cannot outlive their controller unobserved)."""
+        self._closing = True
+        runs = list(self._runs.items())
+        for job_id, run in runs:
+            log.info("job %s: stopping because the controller shuts down", job_id)
+            self._kill_run(run.job, run, grace_s=min(self.kill_grace_s, 3.0))
+        tasks = [r.task for _, r in runs if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10.0)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def _enqueue(self, job: JobRecord) -> None:
+        queue = self.queues.setdefault(self.demand(job.device).resource, [])
+        queue.append(job)
+        queue.sort(key=lambda j: (int(j.band), j.seq))
+        self.changed()
+
+    def _dequeue(self, job: JobRecord) -> None:
+        queue = self.queues.get(self.demand(job.device).resource, [])
+        with contextlib.suppress(ValueError):
+            queue.remove(job)
+        self.changed()
+
+    def _schedule(self) -> None:
+        """Start queue heads while they fit; a head that does not fit blocks its queue (no starving)."""
+        if self._closing:
+            return
+        for queue in self.queues.values():
+            while queue:
+                job = queue[0]
+                demand = self.demand(job.device)
+                if not self.fits(demand):
+                    break
+                queue.pop(0)
+                self._start(job, demand)
+
+    def _start(self, job: JobRecord, demand: Demand) -> None:
+        # Allocation and the RUNNING record happen before any await: no other launch can interleave.
+        for task in job.tasks:
+            if demand.is_cpu:
+                self.cpu_free -= 1
+                task.slots = []
+            else:
+                task.slots = self.pools[demand.resource].take(demand.per_replica)
+            task.state = ControllerJobState.RUNNING
+        job.state = ControllerJobState.RUNNING
+        job.started_ms = now_ms()
+        self.changed()
+        self.host.save(job)
+        run = _Run(job)
+        self._runs[job.job_id] = run
+        run.task = asyncio.get_running_loop().create_task(self._run(job, run, demand))
+        self.host.notify(job.job_id)
+
+    def _release(self, job: JobRecord, demand: Demand) -> None:
+        for task in job.tasks:
+            if demand.is_cpu:
+                self.cpu_free += 1
+            else:
+                self.pools[demand.resource].give(task.slots)
+        self.changed()
+
+    def _job_env(self, job: JobRecord, index: int, slots: list[int]) -> dict[str, str]:
+        env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+        env.update(job.env)
+        slot_list = ",".join(str(s) for s in slots)
+        env.update(
+            {
+                "IRIS_JOB_ID": job.job_id,
+                "IRIS_CLUSTER": self.host.cluster.name,
+                "IRIS_BACKEND_ID": job.backend_id,
+                "IRIS_REPLICA_INDEX": str(index),
+                "IRIS_NUM_REPLICAS": str(len(job.tasks)),
+                "IRIS_DEVICE_SLOTS": slot_list,
+                "CUDA_VISIBLE_DEVICES": slot_list,
+                RUN_ID_ENV: job.run_id,
+            }
+        )
+        return env
+
+    async def _run(self, job: JobRecord, run: _Run, demand: Demand) -> None:
+        path = self.log_path(job)
+        workdir = self.host.state_dir / "work" / path.stem
+        workdir.mkdir(parents=True, exist_ok=True)
+        outcome: tuple[ControllerJobState, int | None, str | None]
+        try:
+            with path.open("ab") as logf:
+                outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
+            # Descendants that left the process group (setsid, daemons) must not outlive the job.
+            stray = await asyncio.to_thread(kill_leftovers, {job.run_id})
+            if stray:
+                log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray[job.run_id])
+        except Exception as exc:  # a controller-side failure must still settle the job
+            log.exception("job %s: executor error", job.job_id)
+            for proc in run.procs.values():
+                _signal_group(proc.pid, signal.SIGKILL)
+            outcome = (ControllerJobState.WORKER_FAILED, None, f"controller error: {type(exc).__name__}")
+        finally:
+            if run.killer is not None:
+                run.killer.cancel()
+            self._runs.pop(job.job_id, None)
+            self._release(job, demand)
+        state, code, error = outcome
+        if self._closing and state is not ControllerJobState.SUCCEEDED and not job.terminate_requested:
+            state, code, error = (
+                ControllerJobState.WORKER_FAILED,
+                None,
+                "the controller shut down while the job was running",
+            )
+        self.host.settle(job, state, exit_code=code, error=error)
+        log.info(
+            "job %s finished: %s exit_code=%s%s", job.job_id, state, code, f" ({error})" if error else ""
+        )
+        self._schedule()
+
+    async def _spawn_and_wait(
+        self, job: JobRecord, run: _Run, log_fd: int, workdir: Path
+    ) -> tuple[ControllerJobState, int | None, str | None]:
+        for task in job.tasks:
+            if job.terminate_requested:
+                break
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *job.command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_fd,
+                    stderr=log_fd,
+                    env=self._job_env(job, task.index, task.slots),
+                    cwd=workdir,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                for p in run.procs.values():
+                    _signal_group(p.pid, signal.SIGKILL)
+                    await p.wait()
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                return ControllerJobState.FAILED, code, f"cannot start {job.command[0]!r}: {exc.strerror}"
+            run.procs[task.index] = proc
+            task.pid = proc.pid
+        self.host.save(job)
+        if job.terminate_requested:
+            self._kill_run(job, run, grace_s=self.kill_grace_s)
+        log.info("job %s started: pids=%s", job.job_id, [p.pid for p in run.procs.values()])
+
+        waits = {asyncio.ensure_future(p.wait()): idx for idx, p in run.procs.items()}
+        loop = asyncio.get_running_loop()
+        deadline = None if job.timeout_s is None else loop.time() + job.timeout_s
+        first_failure: int | None = None
+        timed_out = False
+        killing = False  # True once we stopped the job ourselves: later exits are not its verdict
+        pending = set(waits)
+        while pending:
+            killing = killing or job.terminate_requested or timed_out
+            timeout = None if deadline is None or timed_out else max(0.0, deadline - loop.time())
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                idx = waits[fut]
+                code = _exit_code(fut.result())
+                task = job.tasks[idx]
+                task.exit_code = code
+                if code == 0:
+                    task.state = ControllerJobState.SUCCEEDED
+                elif killing:
+                    task.state = ControllerJobState.KILLED
+                else:
+                    task.state = ControllerJobState.FAILED
+                # Sweep what the replica left behind in its process group.
+                _signal_group(run.procs[idx].pid, signal.SIGKILL)
+                # Exit codes of replicas we killed (timeout, terminate) are not the job's failure.
+                if code != 0 and not killing:
+                    first_failure = code
+                    killing = True
+                    if pending:
+                        # A gang with a dead replica cannot finish: stop the others.
+                        self._kill_run(job, run, grace_s=self.kill_grace_s)
+            if not done and not timed_out:
+                timed_out = True
+                log.info("job %s timed out after %ss", job.job_id, job.timeout_s)
+                self._kill_run(job, run, grace_s=self.kill_grace_s)
+            if done:
+                self.host.save(job)
+                self.host.notify(job.job_id)
+
+        if job.terminate_requested:
+            return ControllerJobState.KILLED, None, "terminated on request"
+        if timed_out:
+            return ControllerJobState.FAILED, first_failure, "timed out"
+        if first_failure is not None:
+            return ControllerJobState.FAILED, first_failure, None
+        return ControllerJobState.SUCCEEDED, 0, None
+
+    def _kill_run(self, job: JobRecord, run: _Run, *, grace_s: float) -> None:
+        """SIGTERM every live process group of the job now, SIGKILL what remains after ``grace_s``."""
+        live = [p for p in run.procs.values() if p.returncode is None]
+        for proc in live:
+            _signal_group(proc.pid, signal.SIGTERM)
+        if run.killer is None or run.killer.done():
+            run.killer = asyncio.get_running_loop().create_task(self._escalate(job.job_id, run, grace_s))
+
+    async def _escalate(self, job_id: str, run: _Run, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        for proc in run.procs.values():
+            if proc.returncode is None:
+                log.info("job %s: pid %d ignored SIGTERM for %ss, sending SIGKILL", job_id, proc.pid, grace_s)
+                _signal_group(proc.pid, signal.SIGKILL)
