@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from stack import Stack, StackRunner  # noqa: E402
+from temporalio.client import WorkflowHistory  # noqa: E402
+from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
+from cli.ops import DeterminismReport, replay_histories  # noqa: E402
 from iris.jobs import JOB_WORKFLOW_TYPE, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
 from iris.policy.models import DeviceRequest  # noqa: E402
 
@@ -280,11 +284,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output directory (default {OUT_DIR})")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    # Expected activity failures (outages, refusals) would otherwise print tracebacks.
+    logging.getLogger("temporalio").setLevel(logging.CRITICAL)
+    Runtime.set_default(Runtime(telemetry=TelemetryConfig(logging=None)), error_if_already_set=False)
     started = time.monotonic()
     print(f"recording into {args.out}", flush=True)
     written = asyncio.run(record(set(args.only) if args.only else None, args.out))
     print(f"wrote {len(written)} histories in {time.monotonic() - started:.0f}s", flush=True)
-    return 0
+    report = asyncio.run(_replay(written))
+    print(report.summary(), flush=True)
+    for failure in report.failures:
+        print(failure.line(), flush=True)
+    return 0 if report.ok else 1
+
+
+async def _replay(paths: list[Path]) -> DeterminismReport:
+    """Check what was just written the way the test suite will."""
+
+    async def histories() -> AsyncIterator[WorkflowHistory]:
+        for path in sorted(paths):
+            yield WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+
+    return await replay_histories(histories(), "freshly recorded histories")
 
 
 if __name__ == "__main__":
