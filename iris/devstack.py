@@ -8,16 +8,20 @@ exercise is what a newcomer runs.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -270,3 +274,138 @@ def ensure_buckets(config: FederationConfig) -> None:
             )
             if gcs.lookup_bucket(store.bucket) is None:
                 gcs.create_bucket(store.bucket)
+
+
+# ---- Ray (``iris dev --ray`` and the Ray tests) ------------------------------------------------
+
+# The Ray head and its jobs start from these variables only: the dev process holds the demo
+# clusters' object-store credentials and key directory, which must not reach jobs (SPEC §7).
+_RAY_ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+# Ray's session sockets live under its temp dir; a Unix socket path must stay under 108 bytes.
+_RAY_MAX_TEMP_DIR = 40
+
+
+@dataclass(frozen=True)
+class RayHeadSpec:
+    """One local Ray head: where its Jobs API and GCS listen, and the custom resources it offers."""
+
+    dashboard_port: int
+    gcs_port: int
+    resources: dict[str, float]
+    num_cpus: int = 4
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+
+def ray_heads_for(config: FederationConfig) -> list[RayHeadSpec]:
+    """The local Ray heads a config's Ray backends point at, each with the devices they declare.
+
+    Backends sharing one head keep their devices apart by resource name (``ray_resources``); two
+    backends naming the same resource on one head would share it, so their counts are not added.
+    """
+    heads: dict[tuple[int, int], dict[str, float]] = {}
+    for c in config.clusters:
+        for b in c.backends:
+            if b.kind != "ray":
+                continue
+            url = urlsplit(b.address)
+            if url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
+                where = f"backend {b.id} ({b.address})"
+                raise ServiceError(f"{where}: iris dev only starts Ray heads on 127.0.0.1")
+            gcs_port = int(b.ray_gcs_address.rpartition(":")[2])
+            resources = heads.setdefault((url.port, gcs_port), {})
+            for token, count in b.devices.items():
+                name = b.ray_resource(token)
+                resources[name] = max(resources.get(name, 0.0), float(count))
+    return [RayHeadSpec(dashboard_port=d, gcs_port=g, resources=r) for (d, g), r in heads.items()]
+
+
+def ray_temp_dir(data_dir: Path) -> Path:
+    """``DATA/ray``, or a short per-data-dir path under /tmp when that would be too long for Ray."""
+    preferred = data_dir.resolve() / "ray"
+    if len(str(preferred)) <= _RAY_MAX_TEMP_DIR:
+        return preferred
+    digest = hashlib.sha256(str(preferred).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"iris-ray-{digest}"
+
+
+def ray_head(spec: RayHeadSpec, data_dir: Path, *, name: str = "ray head") -> ManagedProcess:
+    """A Ray head on loopback only, in the foreground (``--block``), so stopping it stops only it.
+
+    Never use ``ray stop``: it ends every Ray process on the machine, other people's too. Every port
+    Ray would otherwise take by default is a free one here, so several heads coexist.
+    """
+    temp_dir = ray_temp_dir(data_dir)
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    ports = {
+        "--object-manager-port": free_port(),
+        "--node-manager-port": free_port(),
+        "--ray-client-server-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--metrics-export-port": free_port(),
+    }
+    env = {k: os.environ[k] for k in _RAY_ENV_PASSTHROUGH if k in os.environ}
+    env.update(
+        {
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # Makes Ray advertise 127.0.0.1 instead of the machine's address (single node only).
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # Started under `uv run` (iris dev, pytest), Ray would run every job's worker with
+            # `uv run` in a copy of this project, re-resolving it from the network.
+            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+            # Fixed defaults (44217, 44227) would collide between heads on one machine.
+            "AUTOSCALER_METRIC_PORT": str(free_port()),
+            "DASHBOARD_METRIC_PORT": str(free_port()),
+        }
+    )
+    argv = [
+        "/usr/bin/env",
+        "-i",  # nothing from this process's environment but the variables above
+        *(f"{k}={v}" for k, v in env.items()),
+        str(venv_bin("ray")),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(spec.gcs_port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(spec.dashboard_port),
+        "--num-cpus",
+        str(spec.num_cpus),
+        "--num-gpus",
+        "0",
+        "--resources",
+        json.dumps(spec.resources),
+        "--object-store-memory",
+        str(100 * 1024 * 1024),
+        "--include-log-monitor",
+        "false",
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
+        "--temp-dir",
+        str(temp_dir),
+    ]
+    for flag, port in ports.items():
+        argv += [flag, str(port)]
+    return ManagedProcess(
+        name=name,
+        argv=argv,
+        log_path=data_dir / "logs" / f"ray-{spec.dashboard_port}.log",
+        ready=lambda: port_open("127.0.0.1", spec.gcs_port) and http_ok(f"{spec.address}/api/jobs/"),
+        address=f"{spec.address} (Jobs API, dashboard), GCS {spec.gcs_address}",
+    )

@@ -56,11 +56,12 @@ CALL_TIMEOUT_S = 5.0
 STALE_AFTER_S = 10.0
 LOG_REFRESH_S = 0.5
 # A submission Ray refuses this many times in a row (not as a duplicate) fails the job.
-MAX_REFUSALS = 3
+MAX_REFUSALS = 10
 MIB = 1 << 20
 # Ray's Jobs client lets these variables override the address it is given; each backend names its
 # own cluster, so the controller must not inherit them.
 _ADDRESS_OVERRIDES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+_GRPC_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000), ("grpc.initial_reconnect_backoff_ms", 200)]
 _DEAD = autoscaler_pb2.NodeStatus.Value("DEAD")
 _DRAINING = autoscaler_pb2.NodeStatus.Value("DRAINING")
 # Runs each replica of a gang in the one Ray entrypoint; the exit code is the first failure's.
@@ -285,13 +286,16 @@ class RayBackend(Backend):
 
     def _read_resources(self) -> tuple[dict[str, int], dict[str, int]]:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.gcs_address)
+            self._channel = grpc.insecure_channel(self.gcs_address, options=_GRPC_OPTIONS)
         stub = autoscaler_pb2_grpc.AutoscalerStateServiceStub(self._channel)
         try:
             reply = stub.GetClusterResourceState(
                 autoscaler_pb2.GetClusterResourceStateRequest(), timeout=CALL_TIMEOUT_S
             )
         except grpc.RpcError as exc:
+            # A fresh channel next time: a failed one backs off its reconnects for many seconds.
+            self._channel.close()
+            self._channel = None
             reason = f"Ray GCS at {self.gcs_address} does not answer ({exc.code().name})"
             raise RayUnreachable(reason) from None
         totals = dict.fromkeys(self.tokens, 0.0)
