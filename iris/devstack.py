@@ -409,3 +409,28 @@ def ray_head(spec: RayHeadSpec, data_dir: Path, *, name: str = "ray head") -> Ma
         ready=lambda: port_open("127.0.0.1", spec.gcs_port) and http_ok(f"{spec.address}/api/jobs/"),
         address=f"{spec.address} (Jobs API, dashboard), GCS {spec.gcs_address}",
     )
+
+
+def stop_ray_head(head: ManagedProcess, grace: float = 20.0) -> None:
+    """Stop a head from ``ray_head``: SIGTERM to ``ray start --block`` alone lets Ray stop its own
+    processes in order (a signal to its whole group at once leaves it waiting out the grace);
+    whatever is left of the group after that is killed."""
+    proc = head.proc
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.1)
+    head.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -35,7 +35,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayH
         head.wait_ready(120)
         yield spec
     finally:
-        head.stop()
+        devstack.stop_ray_head(head)
 
 
 @pytest.fixture

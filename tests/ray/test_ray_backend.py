@@ -52,9 +52,12 @@ def controller_on(root: Path, backend: dict[str, Any], name: str = "peer") -> Co
     return start_controller(cfg, name, root / "state", port=peer["port"], kill_grace=1.0)
 
 
-@pytest.fixture
-def jobs_controller(ray_head: devstack.RayHeadSpec, tmp_path: Path) -> Iterator[Controller]:
-    ctl = controller_on(tmp_path, ray_backend(ray_head, "jobs"))
+@pytest.fixture(scope="module")
+def jobs_controller(
+    ray_head: devstack.RayHeadSpec, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Controller]:
+    """One controller for the job tests (each uses its own job ids)."""
+    ctl = controller_on(tmp_path_factory.mktemp("jobs"), ray_backend(ray_head, "jobs"))
     try:
         yield ctl
     finally:
