@@ -99,7 +99,7 @@ class JobSpec(BaseModel):
             return "cpu"
         variant = d.type if d.variant == "auto" else d.variant
         label = f"{variant}×{d.count}"
-        return label if d.replicas == 1 else f"{label}×{d.replicas} replicas"
+        return label if d.replicas == 1 else f"{label}, {d.replicas} replicas"
 
     def summary(self) -> str:
         """One line for the Web UI's static summary, e.g. ``train-llama · h100×8 · → cw-us-east-02a``."""

@@ -112,7 +112,10 @@ class StackRunner:
         self.proxies: dict[str, FaultProxy] = {}
 
     async def start(self) -> Stack:
+        self.ui_port = devstack.free_port()
         self.env = await WorkflowEnvironment.start_local(
+            ui=True,
+            ui_port=self.ui_port,
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
             data_converter=pydantic_data_converter,
@@ -120,6 +123,7 @@ class StackRunner:
         )
         address = self.env.client.service_client.config.target_host
         cfg = free_port_config(load_config(), address)
+        cfg.temporal.ui_port = self.ui_port
         config_file = self.root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
         os.environ.update(devstack.object_store_env(cfg))
