@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import shlex
 import sys
 from typing import Annotated
 
@@ -211,7 +212,7 @@ def describe_command(
         if spec is not None:
             lines += [
                 f"Submitted by:   {spec.user} at {_clock(spec.submit_ms)}",
-                f"Command:        {' '.join(spec.command)}",
+                f"Command:        {shlex.join(spec.command)}",
                 f"Device:         {spec.device_label}   band: {spec.band.label}"
                 + (f"   pinned to: {spec.target_cluster}" if spec.target_cluster else ""),
             ]

@@ -457,7 +457,8 @@ class JobWorkflow:
         """Artifact check, handoff and mirror on ``cluster`` (the home cluster included)."""
         assert self._status is not None
         self._status.backend_id = backend
-        self._set(JobState.PENDING_HANDOFF, f"Promoted to {cluster}; preparing the handoff", cluster=cluster)
+        prepare = f"Promoted to {cluster}" if self._queued else f"Runs at home on {cluster}"
+        self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
         if self._cancel is not None:
             return (
                 await self._cancel_queued()
