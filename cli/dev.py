@@ -12,8 +12,11 @@ import typer
 
 from cli import common
 from iris import devstack
-from iris.config import DEFAULT_DATA_DIR, FederationConfig, config_path, store_url
+from iris.config import CONFIG_ENV, DEFAULT_DATA_DIR, PROJECT_ROOT, FederationConfig, config_path, store_url
 from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
+
+# The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
+RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
 
 
 def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
@@ -57,11 +60,30 @@ def dev_command(
     data_dir: Annotated[
         Path, typer.Option("--data-dir", help="Where the stack keeps its state (jobs survive restarts).")
     ] = DEFAULT_DATA_DIR,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run the Ray backends of the config (default config: config/clusters-ray.toml, the "
+            "GPU peers on Ray) on a local Ray head started and stopped with the stack.",
+        ),
+    ] = False,
 ) -> None:
     """Start the embedded stack: Temporal + UI, S3 and GCS emulators, every controller, the worker."""
+    if ray and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
+        common.STATE.config_file = RAY_CONFIG
     cfg = common.config()
     cfg_file = config_path(common.STATE.config_file).resolve()
-    busy = [f"{name} ({h}:{p})" for name, h, p in _ports(cfg) if devstack.port_open(h, p)]
+    try:
+        ray_specs = devstack.ray_heads_for(cfg) if ray else []
+    except devstack.ServiceError as exc:
+        common.fail(str(exc), common.EXIT_INVALID)
+    if ray and not ray_specs:
+        common.fail(f'--ray: {cfg_file} has no backend with kind = "ray"', common.EXIT_INVALID)
+    ports = _ports(cfg)
+    for spec in ray_specs:
+        ports += [("Ray Jobs API", "127.0.0.1", spec.dashboard_port), ("Ray GCS", "127.0.0.1", spec.gcs_port)]
+    busy = [f"{name} ({h}:{p})" for name, h, p in ports if devstack.port_open(h, p)]
     if busy:
         common.fail(
             f"port already in use: {', '.join(busy)} (is another `iris dev` running?)",
@@ -74,7 +96,10 @@ def dev_command(
     key_dir = data_dir / "keys"
     created = ensure_cluster_keys(cfg, key_dir)
     os.environ[KEY_DIR_ENV] = str(key_dir)
+    # Ray heads start first: they take longest to come up.
+    heads = [devstack.ray_head(spec, data_dir, name="Ray head") for spec in ray_specs]
     services = [
+        *heads,
         devstack.temporal_server(cfg, data_dir, db_file=data_dir / "temporal.db"),
         devstack.s3_server(cfg, data_dir),
         devstack.gcs_server(cfg, data_dir),
@@ -102,6 +127,9 @@ def dev_command(
         typer.echo("\nstopping…")
     finally:
         for svc in reversed(started):
-            svc.stop()
+            if any(svc is head for head in heads):
+                devstack.stop_ray_head(svc)
+            else:
+                svc.stop()
         typer.echo("stopped.")
     raise typer.Exit(code)
