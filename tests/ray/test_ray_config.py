@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from iris import devstack
@@ -60,3 +61,20 @@ def test_dev_ray_refuses_a_config_without_ray_backends(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr
     assert 'no backend with kind = "ray"' in res.stderr
     assert not (tmp_path / "data").exists()  # nothing started
+
+
+def test_compose_runs_cw_rno2a_on_a_ray_head_of_the_locked_version() -> None:
+    import ray
+
+    compose = yaml.safe_load((PROJECT_ROOT / "docker-compose.yml").read_text())
+    prod = load_config(PROJECT_ROOT / "config" / "compose.toml")
+    ray_backends = [(c.name, b) for c in prod.clusters for b in c.backends if b.kind == "ray"]
+    assert [(name, b.id) for name, b in ray_backends] == [("cw-rno2a", "h100-rno2a")]
+    for name, b in ray_backends:
+        host = b.ray_gcs_address.rpartition(":")[0]
+        service = compose["services"][host]
+        # The controller's Ray client and the head speak one version: the one in uv.lock.
+        assert service["image"] == f"rayproject/ray:{ray.__version__}"
+        assert b.address == f"http://{host}:8265"
+        assert f'--resources={{"h100": {b.devices["h100"]}}}' in service["command"]
+        assert host in compose["services"][f"controller-{name}"]["depends_on"]
