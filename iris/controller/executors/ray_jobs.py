@@ -37,6 +37,7 @@ from ray.core.generated import autoscaler_pb2_grpc as _autoscaler_pb2_grpc
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
 from iris.config import BackendConfig
+from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, BackendUnreachable, JobHost
 from iris.controller.models import ControllerJobState
 from iris.controller.state import JobRecord, now_ms
@@ -161,7 +162,9 @@ class RayBackend(Backend):
         self._last_ok = 0.0
         self._signature: object = None
         self._busy: str | None = None  # the job id the monitor is talking to Ray about
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"ray-{config.id}")
+        # The monitor's calls and log reads for API callers never queue behind each other.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"ray-{config.id}")
+        self._log_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"ray-logs-{config.id}")
         self._jobs_client: _JobsClient | None = None
         self._channel: grpc.Channel | None = None
         self._wake = asyncio.Event()
@@ -204,7 +207,10 @@ class RayBackend(Backend):
         waiting: dict[str, int] = {}
         held: dict[Band, dict[str, int]] = {}
         for tracked in self._tracked.values():
-            demand = self.demand(tracked.job.device)
+            try:
+                demand = self.demand(tracked.job.device)
+            except InvalidArgument:  # recovered under a config that no longer has its device
+                continue
             if demand.is_cpu:
                 continue
             if tracked.ray_status == JobStatus.RUNNING:
@@ -235,7 +241,7 @@ class RayBackend(Backend):
             return
         tracked.log_read_at = now
         with contextlib.suppress(RayUnreachable, RayRefused):
-            text = await self._call(lambda c: c.get_job_logs(self._sid(job)))
+            text = await self._call(lambda c: c.get_job_logs(self._sid(job)), self._log_pool)
             self._mirror_log(job, text, final=False)
 
     async def shutdown(self) -> None:
@@ -253,6 +259,7 @@ class RayBackend(Backend):
                 len(live),
             )
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._log_pool.shutdown(wait=False, cancel_futures=True)
         if self._channel is not None:
             self._channel.close()
 
@@ -266,7 +273,7 @@ class RayBackend(Backend):
             self._jobs_client = _JobsClient(self.address, CALL_TIMEOUT_S)
         return self._jobs_client
 
-    async def _call(self, fn: Callable[[_JobsClient], T]) -> T:
+    async def _call(self, fn: Callable[[_JobsClient], T], pool: ThreadPoolExecutor | None = None) -> T:
         """``fn(client)`` on the pool; RayUnreachable / RayRefused for what Ray does or does not say."""
 
         def run() -> T:
@@ -280,7 +287,7 @@ class RayBackend(Backend):
 
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool, run), CALL_TIMEOUT_S + 2)
+            return await asyncio.wait_for(loop.run_in_executor(pool or self._pool, run), CALL_TIMEOUT_S + 2)
         except TimeoutError:
             raise RayUnreachable(f"Ray Jobs API at {self.address} did not answer in time") from None
 
@@ -400,7 +407,11 @@ class RayBackend(Backend):
     async def _submit(self, tracked: _Tracked) -> None:
         job = tracked.job
         sid = self._sid(job)
-        demand = self.demand(job.device)
+        try:
+            demand = self.demand(job.device)
+        except InvalidArgument as exc:  # recovered under a config that no longer has its device
+            self._finish(tracked, ControllerJobState.FAILED, None, exc.message)
+            return
         resources = {} if demand.is_cpu else {self.config.ray_resource(demand.resource): float(demand.total)}
         cpus = self.config.ray_cpus * demand.replicas
         memory = self.config.ray_memory_mb * MIB * demand.replicas
