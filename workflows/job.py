@@ -97,9 +97,19 @@ class _Parked:
 
 @workflow.defn(name="JobWorkflow")
 class JobWorkflow:
-    def __init__(self) -> None:
-        self._spec: JobSpec | None = None
-        self._status: JobStatus | None = None
+    @workflow.init
+    def __init__(self, spec: JobSpec) -> None:
+        # Built here, not in run(): a query, signal or Update can arrive in the very first task,
+        # before run() starts (e.g. a cancel right after submit).
+        self._spec: JobSpec | None = spec
+        self._status: JobStatus | None = JobStatus(
+            job_id=spec.job_id,
+            state=JobState.CLASSIFYING,
+            reason="Classifying against the federation's capacity reports",
+            submit_ms=spec.submit_ms,
+            updated_ms=spec.submit_ms,
+            spec=spec,
+        )
         self._placement: Placement | None = None
         self._cancel: CancelRequest | None = None
         self._expire = False
@@ -263,15 +273,9 @@ class JobWorkflow:
 
     @workflow.run
     async def run(self, spec: JobSpec) -> JobStatus:
-        self._spec = spec
-        self._status = JobStatus(
-            job_id=spec.job_id,
-            state=JobState.CLASSIFYING,
-            submit_ms=spec.submit_ms,
-            updated_ms=self._now_ms(),
-            spec=spec,
-        )
-        self._set(JobState.CLASSIFYING, "Classifying against the federation's capacity reports")
+        assert self._status is not None
+        self._event(JobState.CLASSIFYING, self._status.reason)
+        self._set(JobState.CLASSIFYING, self._status.reason)
         try:
             result = await self._lifecycle(spec)
         except asyncio.CancelledError:

@@ -264,3 +264,19 @@ async def test_the_stacks_controllers_admit_only_signed_requests(stack: Stack) -
             except Unauthenticated:
                 continue
             raise AssertionError(f"{cluster} answered an unsigned request")
+
+
+async def test_cancel_and_query_in_the_first_instant_after_submit(stack: Stack) -> None:
+    """An Update or query can reach the workflow before run() starts; both must be answered."""
+    for i in range(3):
+        job_id = await stack.iris.submit(
+            ["sleep", "60"], name=f"instant-{i}", device_type="h100", gpu_count=8
+        )
+        status, outcome = await asyncio.gather(
+            stack.iris.describe(job_id), stack.iris.cancel_and_report(job_id)
+        )
+        assert status.job_id == job_id
+        final = await stack.iris.wait(job_id, timeout_s=30)
+        assert final.state is JobState.KILLED
+        if outcome.won:
+            assert await where(stack, job_id) == []
