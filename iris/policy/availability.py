@@ -85,6 +85,22 @@ class Capacity:
             for token, amount in entry.amounts.items():
                 key = token.strip().lower()
                 per_band[key] = per_band.get(key, 0) + max(0, amount)
+        totals: dict[str, int] = {}
+        for token, amount in block.total_amounts.items():
+            key = token.strip().lower()
+            totals[key] = totals.get(key, 0) + max(0, amount)
+        # A block never offers more than the backend's declared total: idle + held beyond it is a
+        # malformed (or hostile) report, read conservatively. Held capacity is kept for the highest
+        # bands first, so what lower bands claim (and higher bands could reclaim) is trimmed first.
+        for key, total in totals.items():
+            room = total - min(free.get(key, 0), total)
+            if key in free:
+                free[key] = total - room
+            for band in sorted(held):
+                amounts = held[band]
+                if key in amounts:
+                    amounts[key] = min(amounts[key], room)
+                    room -= amounts[key]
         return cls(free, held)
 
     def copy(self) -> Capacity:

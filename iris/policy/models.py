@@ -14,6 +14,7 @@ ROUTING_KEYS: frozenset[str] = frozenset({"device-type", "device-variant", "pree
 # The availability block version this code understands; any other version is treated as "no block".
 AVAILABILITY_VERSION = 1
 DEVICE_TYPES: frozenset[str] = frozenset({"cpu", "gpu", "tpu"})
+MAX_EPOCH_MS = 2**63 - 1
 
 
 class Band(IntEnum):
@@ -93,7 +94,8 @@ class Availability(BaseModel):
     """A backend's versioned capacity block (SPEC §5). Tokens are lowercased variants in chips."""
 
     version: int = AVAILABILITY_VERSION
-    observation_epoch_ms: int = 0
+    # Stored as a 64-bit integer (the reservation ledger): a report claiming more is malformed.
+    observation_epoch_ms: int = Field(default=0, ge=0, le=MAX_EPOCH_MS)
     amounts: dict[str, int] = Field(default_factory=dict)
     total_amounts: dict[str, int] = Field(default_factory=dict)
     held_by_band: list[HeldByBand] = Field(default_factory=list)
