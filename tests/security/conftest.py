@@ -1,0 +1,61 @@
+"""Fixtures of the security suite: the stack's real keys, a restricted controller, collected responses.
+
+Tests marked ``scan_last`` run after every other test of the session, so the secret scan sees every
+history, log and response the session produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from security_support import RESTRICTED_DOMAIN, Keys, Responses, Restricted
+from stack import Stack
+
+from iris import devstack
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "scan_last: run after every other test of the session")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    last = [item for item in items if item.get_closest_marker("scan_last") is not None]
+    if last:
+        items[:] = [item for item in items if item.get_closest_marker("scan_last") is None] + last
+
+
+@pytest.fixture(scope="session")
+def keys(stack: Stack) -> Keys:
+    return Keys(stack.data_dir / "keys")
+
+
+@pytest.fixture(scope="session")
+def responses() -> Iterator[Responses]:
+    yield Responses()
+
+
+@pytest.fixture(scope="module")
+async def restricted(stack: Stack) -> AsyncIterator[Restricted]:
+    """A second real controller for cw-rno2a whose auth admits only ``*@allowed.example``.
+
+    Same software, same pinned keys (the stack's key directory); only its allowed_submitters differ,
+    since the stack's peers admit everyone (``*``).
+    """
+    root = stack.data_dir / "security-restricted"
+    root.mkdir(exist_ok=True)
+    cfg = stack.config.model_copy(deep=True)
+    peer = cfg.cluster("cw-rno2a")
+    peer.port = devstack.free_port()
+    assert peer.auth is not None
+    peer.auth.allowed_submitters = [f"*@{RESTRICTED_DOMAIN}"]
+    config_file = root / "clusters.json"
+    config_file.write_text(cfg.model_dump_json(indent=2))
+    proc = devstack.controller(config_file, cfg, "cw-rno2a", root)
+    proc.start()
+    try:
+        await asyncio.to_thread(proc.wait_ready, 60)
+        yield Restricted(cfg, config_file, peer.url)
+    finally:
+        await asyncio.to_thread(proc.stop)
