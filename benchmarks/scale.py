@@ -1,0 +1,410 @@
+"""Scale benchmark: a large queue waiting on a full federation.
+
+    uv run python -m benchmarks.scale [--jobs 5000] [--settle 60]
+
+Starts its own real stack (as ``benchmarks/e2e.py``: in-memory dev server, emulators, controllers
+as processes, ``iris worker`` as its own process so its RSS is its own), fills every peer with one
+``sleep`` job holding all its H100s, then submits ``--jobs`` H100 jobs that can only wait in the
+federation queue. While they arrive, and for ``--settle`` seconds after, it samples the worker's
+RSS, the placement manager's ``last_tick`` (queue length, plan_ms, total_ms) and the load. At the
+end it reads every placement tick from the manager's histories (all its runs: it continues as new
+every ``ticks_per_run`` ticks) and fetches a sample of job histories, to show per-job and
+per-manager-run history sizes and that continue-as-new keeps the manager's history bounded.
+
+10k jobs take about 8–10 minutes to submit on a 2-core machine; the default is smaller so a run
+finishes in about 10 minutes. Not a test. See docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from activities.placement import TickOutcome
+from activities.store import manager_workflow_id
+from benchmarks.harness import (
+    BenchError,
+    BenchStack,
+    CpuMeter,
+    Deadline,
+    HistoryStats,
+    LoadSampler,
+    child_pid,
+    fetch_stats,
+    gather_bounded,
+    machine,
+    mean,
+    pcts,
+    rss_mib,
+    run_main,
+    table,
+    uptime_line,
+    wait_until,
+    write_json,
+)
+from benchmarks.source import source_label
+from iris.client import AsyncIrisClient, build_spec
+from iris.config import FederationConfig
+from iris.jobs import JobState
+
+TASK_QUEUE = "iris-bench-scale"
+PEER_SLOTS = 8
+
+
+def configure(cfg: FederationConfig) -> None:
+    """The demo topology with 8 H100s per peer (one filler job takes them all)."""
+    for c in cfg.clusters:
+        for b in c.backends:
+            if b.devices:
+                b.devices = {t: PEER_SLOTS for t in b.devices}
+
+
+@dataclass
+class Sample:
+    t_s: float
+    submitted: int
+    worker_rss_mib: float
+    worker_hwm_mib: float
+    server_rss_mib: float
+    queued: int
+    plan_ms: float
+    total_ms: float
+    load1: float
+
+
+@dataclass
+class ManagerRun:
+    run_id: str
+    status: str
+    events: int
+    kib: float
+    ticks: int
+    first_ms: int
+    last_ms: int
+
+
+async def manager_runs(stack: BenchStack) -> tuple[list[ManagerRun], list[tuple[int, TickOutcome]]]:
+    """Every run of the placement manager, oldest first, and every tick (completion time, outcome)."""
+    mid = manager_workflow_id(stack.config.temporal.task_queue)
+    runs: list[ManagerRun] = []
+    ticks: list[tuple[int, TickOutcome]] = []
+    async for wf in stack.client.list_workflows(f"WorkflowId = '{mid}'"):
+        history = await stack.client.get_workflow_handle(mid, run_id=wf.run_id).fetch_history()
+        n_ticks = 0
+        size = 0
+        for e in history.events:
+            size += e.ByteSize()
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                payloads = e.activity_task_completed_event_attributes.result.payloads
+                if payloads:
+                    (tick,) = pydantic_data_converter.payload_converter.from_payloads(payloads, [TickOutcome])
+                    ticks.append((e.event_time.ToMilliseconds(), tick))
+                    n_ticks += 1
+        events = history.events
+        runs.append(
+            ManagerRun(
+                run_id=wf.run_id,
+                status=wf.status.name if wf.status is not None else "?",
+                events=len(events),
+                kib=size / 1024,
+                ticks=n_ticks,
+                first_ms=events[0].event_time.ToMilliseconds() if events else 0,
+                last_ms=events[-1].event_time.ToMilliseconds() if events else 0,
+            )
+        )
+    runs.sort(key=lambda r: r.first_ms)
+    ticks.sort(key=lambda t: t[0])
+    return runs, ticks
+
+
+async def run(args: argparse.Namespace) -> int:
+    deadline = Deadline(args.timeout)
+    info = machine()
+    root = Path(tempfile.mkdtemp(prefix="iris-bench-scale-"))
+    stack = BenchStack(root)
+    print(f"stack in {root} ({info['uptime_before']})", flush=True)
+    try:
+        await stack.start(configure, task_queue=TASK_QUEUE)
+        worker = await stack.start_worker()
+        assert worker.proc is not None
+        wpid = worker.proc.pid
+        spid = child_pid(os.getpid(), "temporal")
+        iris = AsyncIrisClient(stack.client, stack.config)
+
+        # Fill every peer: one job holding all its H100s.
+        peers = [c.name for c in stack.config.clusters if any(b.devices for b in c.backends)]
+        fillers = [
+            build_spec(
+                ["sleep", "3600"],
+                name=f"filler-{p}",
+                user="bench-filler@bench.local",
+                device_type="h100",
+                gpu_count=PEER_SLOTS,
+                target_cluster=p,
+            )
+            for p in peers
+        ]
+        for spec in fillers:
+            await iris.submit_spec(spec)
+
+        async def filled() -> bool:
+            states = [(await iris.describe(s.job_id)).state for s in fillers]
+            return all(s is JobState.RUNNING for s in states)
+
+        await wait_until(filled, within=deadline.bound(120), interval=0.5, what="the fillers to run")
+        print(f"[{time.strftime('%X')}] peers full; submitting {args.jobs} queued jobs", flush=True)
+
+        samples: list[Sample] = []
+        submitted = 0
+        t0 = time.monotonic()
+        t0_ms = int(time.time() * 1000)
+
+        async def sample() -> None:
+            rss, hwm = rss_mib(wpid)
+            srss = rss_mib(spid)[0] if spid else float("nan")
+            tick: TickOutcome | None = None
+            with contextlib.suppress(Exception):
+                tick = await stack.manager_tick()
+            s = Sample(
+                t_s=time.monotonic() - t0,
+                submitted=submitted,
+                worker_rss_mib=rss,
+                worker_hwm_mib=hwm,
+                server_rss_mib=srss,
+                queued=tick.queued if tick else -1,
+                plan_ms=tick.plan_ms if tick else float("nan"),
+                total_ms=tick.total_ms if tick else float("nan"),
+                load1=os.getloadavg()[0],
+            )
+            samples.append(s)
+            print(
+                f"  t={s.t_s:5.0f}s submitted={s.submitted:6d} queued={s.queued:6d} "
+                f"worker RSS={s.worker_rss_mib:6.0f} MiB server RSS={s.server_rss_mib:6.0f} MiB "
+                f"tick total={s.total_ms:7.1f} ms plan={s.plan_ms:6.1f} ms load={s.load1:.2f}",
+                flush=True,
+            )
+
+        async def sampler() -> None:
+            while True:
+                await sample()
+                await asyncio.sleep(args.sample_interval)
+
+        async def submit(i: int) -> None:
+            nonlocal submitted
+            spec = build_spec(
+                ["true"], name=f"q-{i:06d}", user="bench-scale@bench.local", device_type="h100", gpu_count=8
+            )
+            await iris.submit_spec(spec)
+            submitted += 1
+
+        cpu = CpuMeter(stack.pids()).start()
+        sampler_task = asyncio.create_task(sampler())
+        try:
+            with LoadSampler() as load:
+                results = await asyncio.wait_for(
+                    gather_bounded((submit(i) for i in range(args.jobs)), args.concurrency),
+                    deadline.bound(args.timeout),
+                )
+                submit_s = time.monotonic() - t0
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    raise BenchError(f"{len(errors)} submissions failed, e.g. {errors[0]!r}")
+                print(
+                    f"[{time.strftime('%X')}] submitted {args.jobs} in {submit_s:.0f}s "
+                    f"({args.jobs / submit_s:.1f}/s); settling {args.settle:.0f}s",
+                    flush=True,
+                )
+
+                # Wait until every job is in the queue (the tick sees it), then settle.
+                async def all_queued() -> bool:
+                    tick = await stack.manager_tick()
+                    return tick is not None and tick.queued >= args.jobs
+
+                await wait_until(
+                    all_queued, within=deadline.bound(600), interval=1.0, what="every job to be queued"
+                )
+                queued_s = time.monotonic() - t0
+                await asyncio.sleep(deadline.bound(args.settle))
+        finally:
+            sampler_task.cancel()
+            cpu.stop()
+        await sample()
+        info["uptime_after"] = uptime_line()
+
+        runs, ticks = await manager_runs(stack)
+        sample_ids = [
+            f"bench-scale/q-{i:06d}" for i in range(0, args.jobs, max(1, args.jobs // args.history_sample))
+        ]
+        stats = [
+            s
+            for s in await gather_bounded((fetch_stats(stack.client, j) for j in sample_ids), 16)
+            if isinstance(s, HistoryStats)
+        ]
+        data = report(args, info, samples, runs, ticks, stats, cpu, load.summary(), submit_s, queued_s, t0_ms)
+        write_json(args.out, data)
+        return 0
+    finally:
+        await stack.stop()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def report(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    samples: list[Sample],
+    runs: list[ManagerRun],
+    ticks: list[tuple[int, TickOutcome]],
+    stats: list[HistoryStats],
+    cpu: CpuMeter,
+    load: str,
+    submit_s: float,
+    queued_s: float,
+    t0_ms: int,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"machine": info, "args": vars(args), "source": source_label()}
+    print()
+    print(f"machine: {info['nproc']} CPUs ({info['cpu']}), {info['mem_gib']} GiB; Python {info['python']}")
+    print(f"code: {source_label()}")
+    print(f"before: {info['uptime_before']}")
+    print(f"after:  {info['uptime_after']}")
+    print("persistence: in-memory dev server; worker: `iris worker` as its own process (default settings)")
+    print(
+        f"jobs: {args.jobs} queued h100x8 jobs on a full federation (each peer: {PEER_SLOTS} H100 held by a "
+        f"sleep job); submitted in {submit_s:.0f}s ({args.jobs / submit_s:.1f}/s, {args.concurrency} in "
+        f"flight); all queued after {queued_s:.0f}s; settled {args.settle:.0f}s; load {load}"
+    )
+
+    rss = [s.worker_rss_mib for s in samples]
+    hwm = max(s.worker_hwm_mib for s in samples)
+    print("\nWorker memory")
+    print(
+        table(
+            ["", "MiB"],
+            [
+                ["worker RSS at start of submissions", rss[0]],
+                ["worker RSS at the end", rss[-1]],
+                ["worker RSS max sampled", max(rss)],
+                ["worker peak RSS (VmHWM)", hwm],
+                ["dev server RSS at the end", samples[-1].server_rss_mib],
+            ],
+        )
+    )
+    out["worker_rss_mib"] = {"start": rss[0], "end": rss[-1], "max": max(rss), "hwm": hwm}
+
+    # Tick time against queue length.
+    buckets: dict[int, list[TickOutcome]] = {}
+    step = max(1000, (args.jobs // 5 // 1000) * 1000)
+    for at, tick in ticks:
+        if at < t0_ms:
+            continue
+        buckets.setdefault(tick.queued // step, []).append(tick)
+    rows = []
+    for b in sorted(buckets):
+        ts = buckets[b]
+        tot = pcts([t.total_ms for t in ts])
+        plan = pcts([t.plan_ms for t in ts])
+        rows.append(
+            [
+                f"{b * step}–{(b + 1) * step - 1}",
+                len(ts),
+                plan["p50"],
+                plan["p95"],
+                tot["p50"],
+                tot["p95"],
+                mean(t.explained for t in ts),
+            ]
+        )
+    print("\nPlacement ticks by queue length (from the manager's histories)")
+    print(
+        table(["queued", "ticks", "plan p50", "plan p95", "total p50", "total p95", "explain sig/tick"], rows)
+    )
+    settled = [t for at, t in ticks if t.queued >= args.jobs]
+    if settled:
+        tot = pcts([t.total_ms for t in settled])
+        plan = pcts([t.plan_ms for t in settled])
+        print(
+            f"full queue ({args.jobs}): {len(settled)} ticks, plan_ms p50 {plan['p50']:.1f} "
+            f"p95 {plan['p95']:.1f}; total_ms p50 {tot['p50']:.0f} p95 {tot['p95']:.0f}"
+        )
+        out["tick_full_queue_ms"] = {"plan": plan, "total": tot, "ticks": len(settled)}
+    out["ticks_by_queue"] = rows
+
+    print("\nPlacement manager runs (continue-as-new every ticks_per_run ticks)")
+    run_rows = [
+        [r.run_id[:8], r.status, r.ticks, r.events, r.kib, (r.last_ms - r.first_ms) / 1000] for r in runs
+    ]
+    print(table(["run", "status", "ticks", "events", "KiB", "seconds"], run_rows))
+    out["manager_runs"] = [r.__dict__ for r in runs]
+
+    print("\nPer queued job (sampled histories)")
+    if stats:
+        print(
+            table(
+                ["", "mean", "max"],
+                [
+                    ["events", mean(s.events for s in stats), max(s.events for s in stats)],
+                    ["KiB", mean(s.bytes for s in stats) / 1024, max(s.bytes for s in stats) / 1024],
+                    [
+                        "workflow tasks",
+                        mean(s.workflow_tasks for s in stats),
+                        max(s.workflow_tasks for s in stats),
+                    ],
+                    [
+                        "activities",
+                        mean(s.activity_count for s in stats),
+                        max(s.activity_count for s in stats),
+                    ],
+                    ["signals", mean(s.signal_count for s in stats), max(s.signal_count for s in stats)],
+                ],
+            )
+        )
+        out["job_history"] = {
+            "n": len(stats),
+            "events_mean": mean(s.events for s in stats),
+            "kib_mean": mean(s.bytes for s in stats) / 1024,
+            "signals_mean": mean(s.signal_count for s in stats),
+        }
+
+    print("\nCPU seconds during submission + settle")
+    n = max(1, args.jobs)
+    print(table(["process", "CPU s", "ms/job"], [[k, v, 1000 * v / n] for k, v in sorted(cpu.used.items())]))
+    out["cpu_seconds"] = cpu.used
+    out["samples"] = [s.__dict__ for s in samples]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=5000, help="queued jobs (10000 takes ~15 minutes here)")
+    p.add_argument("--concurrency", type=int, default=50, help="submissions in flight")
+    p.add_argument(
+        "--settle", type=float, default=60, help="seconds to watch the full queue after submitting"
+    )
+    p.add_argument("--sample-interval", type=float, default=10, help="seconds between samples")
+    p.add_argument("--history-sample", type=int, default=50, help="job histories fetched")
+    p.add_argument("--timeout", type=float, default=1800, help="bound on the whole run, seconds")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
+    p.add_argument(
+        "--source",
+        default="HEAD",
+        help="git revision whose code is measured (a frozen copy), or 'worktree' (default: HEAD)",
+    )
+    args = p.parse_args()
+    run_main(lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()
