@@ -49,7 +49,7 @@ def ray_jobs(spec: devstack.RayHeadSpec) -> JobSubmissionClient:
 def controller_on(root: Path, backend: dict[str, Any], name: str = "peer") -> Controller:
     peer = cluster(name, backends=[backend])
     cfg = write_config(root / "clusters.toml", federation(cluster("home"), peer))
-    return start_controller(cfg, name, root / "state", port=peer["port"], kill_grace=1.0)
+    return start_controller(cfg, name, root / "state", port=peer["port"], kill_grace=1.0, ready_timeout=90)
 
 
 @pytest.fixture(scope="module")
@@ -266,19 +266,22 @@ async def test_a_restarted_controller_reattaches_to_its_ray_jobs(
     ray_head: devstack.RayHeadSpec, tmp_path: Path
 ) -> None:
     ctl = await asyncio.to_thread(controller_on, tmp_path, ray_backend(ray_head, "restart"))
-    req = request(["sh", "-c", "echo started; sleep 4; echo finished"], gpus=8, backend_id="ray-h100")
+    flag = tmp_path / "finish"  # Ray runs on this machine: the job ends when the test says so
+    script = f"echo started; while [ ! -e {flag} ]; do sleep 0.1; done; echo finished"
+    req = request(["sh", "-c", script], gpus=8, backend_id="ray-h100")
     try:
         async with ctl.client() as c:
             await c.launch(req)
             await wait_state(c, req.job_id, S.RUNNING, timeout=60)
         await asyncio.to_thread(ctl.kill9)
-        ctl = await asyncio.to_thread(restart, ctl)
+        ctl = await asyncio.to_thread(restart, ctl, 90)
         async with ctl.client() as c:
             after = await c.status(req.job_id)
             assert after.state is S.RUNNING, after  # Ray still runs it: not WORKER_FAILED
             # Its devices are still held: nothing to offer while it runs.
             block = await poll(lambda: availability(c), lambda a: a.total_amounts == {"h100": 8}, timeout=20)
             assert block.amounts == {"h100": 0}
+            flag.touch()
             final = await wait_terminal(c, req.job_id, timeout=60)
             assert final.state is S.SUCCEEDED and final.exit_code == 0
             log = await read_all_logs(c, req.job_id)
