@@ -9,6 +9,9 @@ from typing import Annotated
 
 import typer
 
+# typer >= 0.2x vendors click: its parse errors are these classes, not the click package's.
+from typer._click import exceptions as click_exceptions
+
 from cli import common
 from cli.dev import dev_command
 from cli.job import job_app
@@ -63,8 +66,19 @@ def worker_command(
 
 def main() -> None:
     try:
-        app()
-        code = 0
+        result = app(standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except click_exceptions.UsageError as exc:
+        # One line, like every other refusal (not click's multi-line usage box). A bare group
+        # (`iris job`) has already printed its help and has nothing to add.
+        if exc.format_message():
+            typer.secho(f"error: {exc.format_message()}", err=True, fg=typer.colors.RED)
+        code = exc.exit_code
+    except typer.Abort:
+        code = common.EXIT_INTERRUPTED
+    except click_exceptions.ClickException as exc:
+        typer.secho(f"error: {exc.format_message()}", err=True, fg=typer.colors.RED)
+        code = exc.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     sys.stdout.flush()

@@ -248,7 +248,7 @@ def logs_command(
     job_id: Annotated[str, typer.Argument(help="The job id.")],
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
 ) -> None:
-    """Print a job's output (stdout and stderr) from the cluster that ran it."""
+    """Print a job's output (stdout and stderr), relayed home from wherever it ran."""
 
     async def go() -> None:
         client = await common.client()

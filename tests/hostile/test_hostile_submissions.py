@@ -28,12 +28,6 @@ from iris.client import (
 )
 
 RUN = uuid.uuid4().hex[:6]
-# Typer prints usage errors (missing argument, non-integer option) as a multi-line box.
-TYPER_BOX = pytest.mark.xfail(
-    strict=True,
-    reason="cli/app.py lets typer print usage errors as a multi-line box; remove this mark once they are "
-    "one `error:` line like every other refusal",
-)
 
 
 @dataclass
@@ -188,7 +182,6 @@ async def test_malformed_cli_submissions_are_one_error_line_and_start_nothing(
     assert await job_workflows(stack) == before
 
 
-@TYPER_BOX
 @pytest.mark.parametrize("c", USAGE_ERRORS, ids=lambda c: c.id)
 async def test_cli_usage_errors_are_one_error_line(stack: Stack, c: CliCase) -> None:
     before = await job_workflows(stack)
