@@ -141,3 +141,16 @@ async def test_help_documents_exit_codes_and_completion() -> None:
     assert "Exit codes" in text and "--install-completion" in text
     for command in ("job", "dev", "worker", "peers", "rpc", "ops", "keys"):
         assert command in text
+
+
+async def test_shell_completion_completes_commands() -> None:
+    iris = str(Path(sys.executable).parent / "iris")
+    script = await asyncio.create_subprocess_exec(
+        iris, "--show-completion", "bash", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await script.communicate()
+    assert "_iris_completion" in out.decode()
+    env = {**os.environ, "_IRIS_COMPLETE": "complete_bash", "COMP_WORDS": "iris jo", "COMP_CWORD": "1"}
+    words = await asyncio.create_subprocess_exec(iris, stdout=asyncio.subprocess.PIPE, env=env)
+    out, _ = await words.communicate()
+    assert out.decode().split() == ["job"]
