@@ -485,6 +485,8 @@ def report(
     print(f"after:  {info['uptime_after']}")
     print("persistence: in-memory dev server (temporal server start-dev, no --db-filename)")
     print("worker: `iris worker` as its own process; the ceiling's no-op worker too")
+    if args.dynamic_config:
+        print(f"server dynamic config: {', '.join(args.dynamic_config)}")
     n_gpu = sum(1 for k in kinds(args.jobs, args.cpu_fraction) if k == GPU)
     print(
         f"jobs: {args.jobs} ({n_gpu} queued h100x1 + {args.jobs - n_gpu} local CPU, command `true`), "
@@ -516,6 +518,23 @@ def report(
         "ceiling_closed": t_ceiling,
         "ratio": ratio,
     }
+
+    # Timeline of the burst: how many jobs had reached each point, every few seconds.
+    horizon = max((j.closed_ms or 0) for j in load.jobs) - load.t0_ms
+    step = max(5000, int(horizon / 12 / 1000) * 1000)
+    tl_rows = []
+    for t in range(step, horizon + step, step):
+        cut = load.t0_ms + t
+
+        def upto(attr: str, cut: int = cut) -> int:
+            return sum(1 for j in load.jobs if (getattr(j, attr) or cut + 1) <= cut)
+
+        tl_rows.append(
+            [f"+{t / 1000:.0f}s", upto("submit_ms"), upto("placed_ms"), upto("handed_ms"), upto("closed_ms")]
+        )
+    print("\nBurst timeline (jobs that had reached each point)")
+    print(table(["", "submitted", "placed", "handed off", "closed"], tl_rows))
+    out["timeline"] = tl_rows
 
     # Latency.
     lat_rows: list[list[object]] = []
@@ -661,7 +680,7 @@ async def run(args: argparse.Namespace) -> int:
     stack = BenchStack(root)
     print(f"stack in {root} ({info['uptime_before']})", flush=True)
     try:
-        await stack.start(configure(args), task_queue=TASK_QUEUE)
+        await stack.start(configure(args), task_queue=TASK_QUEUE, dynamic_config=args.dynamic_config)
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
         print(f"[{time.strftime('%X')}] light load: {args.light_jobs} jobs one at a time", flush=True)
@@ -705,6 +724,13 @@ def main() -> None:
         type=int,
         default=None,
         help="placements per peer per tick (default: the config's; 0 = no cap)",
+    )
+    p.add_argument(
+        "--dynamic-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dev server setting, e.g. system.enableActivityEagerExecution=true (repeatable)",
     )
     p.add_argument("--timeout", type=float, default=1500, help="bound on the whole run, seconds")
     p.add_argument(

@@ -436,13 +436,24 @@ class BenchStack:
         assert self._config is not None
         return self._config
 
-    async def start(self, configure: Callable[[FederationConfig], None], *, task_queue: str) -> None:
+    async def start(
+        self,
+        configure: Callable[[FederationConfig], None],
+        *,
+        task_queue: str,
+        dynamic_config: Sequence[str] = (),
+    ) -> None:
+        """``dynamic_config``: ``key=value`` server settings (``--dynamic-config-value``)."""
+        extra: list[str] = []
+        for kv in dynamic_config:
+            extra += ["--dynamic-config-value", kv]
         self.env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
             data_converter=pydantic_data_converter,
             dev_server_startup_timeout=timedelta(seconds=60),
             dev_server_log_level="error",
+            dev_server_extra_args=extra,
         )
         address = self.env.client.service_client.config.target_host
         cfg = free_port_config(load_config(), address, task_queue)

@@ -56,7 +56,7 @@ from benchmarks.harness import (
 from benchmarks.source import source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
-from iris.jobs import JobState
+from iris.jobs import SA_STATE, JobState
 
 TASK_QUEUE = "iris-bench-scale"
 PEER_SLOTS = 8
@@ -226,13 +226,25 @@ async def run(args: argparse.Namespace) -> int:
                     flush=True,
                 )
 
-                # Wait until every job is in the queue (the tick sees it), then settle.
+                # Wait until every job is in the queue (the tick sees it), or until the queue has
+                # stopped growing for a minute (then the states below say where the rest are).
+                progress = {"queued": -1, "since": time.monotonic()}
+
                 async def all_queued() -> bool:
-                    tick = await stack.manager_tick()
-                    return tick is not None and tick.queued >= args.jobs
+                    try:
+                        tick = await stack.manager_tick()
+                    except Exception:  # a busy worker answers queries late
+                        return False
+                    queued = tick.queued if tick is not None else 0
+                    if queued != progress["queued"]:
+                        progress["queued"], progress["since"] = queued, time.monotonic()
+                    elif time.monotonic() - progress["since"] > 60:
+                        print(f"  the queue stopped growing at {queued}", flush=True)
+                        return True
+                    return queued >= args.jobs
 
                 await wait_until(
-                    all_queued, within=deadline.bound(600), interval=1.0, what="every job to be queued"
+                    all_queued, within=deadline.bound(900), interval=1.0, what="every job to be queued"
                 )
                 queued_s = time.monotonic() - t0
                 await asyncio.sleep(deadline.bound(args.settle))
@@ -242,6 +254,13 @@ async def run(args: argparse.Namespace) -> int:
         await sample()
         info["uptime_after"] = uptime_line()
 
+        states: dict[str, int] = {}
+        async for wf in stack.client.list_workflows("IrisSubmitter = 'bench-scale@bench.local'"):
+            st = wf.typed_search_attributes.get(SA_STATE) or "?"
+            key = st if wf.status is None or wf.status.name == "RUNNING" else f"{st} ({wf.status.name})"
+            states[key] = states.get(key, 0) + 1
+        print(f"job states: {states}", flush=True)
+        info["job_states"] = states
         runs, ticks = await manager_runs(stack)
         sample_ids = [
             f"bench-scale/q-{i:06d}" for i in range(0, args.jobs, max(1, args.jobs // args.history_sample))
