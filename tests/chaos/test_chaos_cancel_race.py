@@ -18,6 +18,7 @@ a job not terminal in time, a store handle that disagrees with the job's final s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -31,6 +32,8 @@ from pathlib import Path
 import pytest
 from stack import Stack
 from temporalio import activity
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
 from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 from temporalio.worker import Worker
@@ -369,9 +372,30 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
     )
     try:
         async with worker:
-            yield Race(stack, store, peer, queue, milestones, task_queue, rng)
+            race = Race(stack, store, peer, queue, milestones, task_queue, rng)
+            yield race
+            await forget(stack, race)
     finally:
         store.close()
+
+
+async def forget(stack: Stack, race: Race) -> None:
+    """Delete this fixture's executions: a thousand stub-peer runs would only slow the session's
+    later list, replay and scan tests down."""
+    gate = asyncio.Semaphore(16)
+
+    async def delete(workflow_id: str) -> None:
+        async with gate:
+            with contextlib.suppress(RPCError):
+                await stack.client.workflow_service.delete_workflow_execution(
+                    DeleteWorkflowExecutionRequest(
+                        namespace=stack.client.namespace,
+                        workflow_execution=WorkflowExecution(workflow_id=workflow_id),
+                    )
+                )
+
+    ids = [wf.id async for wf in stack.client.list_workflows(f"TaskQueue = '{race.task_queue}'")]
+    await asyncio.gather(*(delete(i) for i in ids))
 
 
 @pytest.mark.timeout(900)
@@ -385,6 +409,8 @@ async def test_cancel_racing_promotion_1000_times_never_violates(race: Race) -> 
 
     outcomes = await asyncio.gather(*(bounded(i) for i in range(ITERATIONS)))
     elapsed = time.monotonic() - started
+    listed = await race.stack.client.count_workflows(f"TaskQueue = '{race.task_queue}'")
+    assert listed.count == ITERATIONS  # (deleted by the fixture afterwards)
 
     wins: Counter[tuple[str, str]] = Counter((o.method, o.who_won()) for o in outcomes)
     violations = [f"{o.job_id} ({o.method} at {o.stage}): {p}" for o in outcomes for p in o.problems]
