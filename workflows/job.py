@@ -326,6 +326,9 @@ class JobWorkflow:
         return await self._deliver(spec, view, placement.peer_id, backend)
 
     async def _enqueue(self, shape: JobShape) -> None:
+        # Set first: if a Temporal cancel interrupts this await after the insert committed, the
+        # cancel path must still record the handle's end, or the queue keeps a zombie.
+        self._queued = True
         await workflow.execute_activity_method(
             StoreActivities.enqueue_job,
             EnqueueInput(
@@ -334,7 +337,6 @@ class JobWorkflow:
             start_to_close_timeout=_QUICK,
             retry_policy=_STORE_RETRY,
         )
-        self._queued = True
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
         report = view.report(cluster)
