@@ -160,6 +160,30 @@ async def close_times(client: Client, query: str, expect: int = 0, *, within: fl
         await asyncio.sleep(0.5)
 
 
+async def wait_all_closed(client: Client, query: str, *, within: float) -> None:
+    """Poll visibility once a second until no workflow of ``query`` is running (light on the server,
+    unlike one long-poll per workflow)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        running = await client.count_workflows(f"{query} AND ExecutionStatus = 'Running'")
+        if running.count == 0:
+            return
+        await asyncio.sleep(1.0)
+    raise BenchError(f"workflows of {query!r} still running after {within:.0f}s")
+
+
+async def results_of(client: Client, ids: Sequence[str]) -> list[JobStatus]:
+    async def one(wf_id: str) -> JobStatus:
+        status: JobStatus = await client.get_workflow_handle(wf_id, result_type=JobStatus).result()
+        return status
+
+    out = await gather_bounded((one(i) for i in ids), 16)
+    errors = [r for r in out if isinstance(r, BaseException)]
+    if errors:
+        raise BenchError(f"{len(errors)} jobs have no result, e.g. {errors[0]!r}")
+    return list(out)
+
+
 async def submit_and_wait(
     iris: AsyncIrisClient, spec: JobSpec, kind: str, *, within: float
 ) -> tuple[JobTimes, float]:
@@ -321,28 +345,42 @@ async def ceiling_phase(
         for j in light:
             j.closed_ms = closed.get(j.job_id)
         light_phase_ = Phase("ceiling light", light, t0, cpu, Counter(), load.summary(), {}, [])
-        # Burst.
+        # Burst: open loop, like the pipeline's.
         cpu = CpuMeter(stack.pids()).start()
         t0 = int(time.time() * 1000)
+        user = "ceiling@bench.local"
+        starts: dict[str, tuple[str, int, float]] = {}
+
+        async def start(wf_id: str, kind: str) -> None:
+            submit_ms = int(time.time() * 1000)
+            t = time.perf_counter()
+            await client.start_workflow(
+                CEILING_WORKFLOW,
+                profile.get(kind, CeilingInput(activities=1)),
+                id=wf_id,
+                task_queue=CEILING_QUEUE,
+                search_attributes=sa(user),
+            )
+            starts[wf_id] = (kind, submit_ms, (time.perf_counter() - t) * 1000)
+
         with LoadSampler() as load:
             results = await asyncio.wait_for(
                 gather_bounded(
-                    (
-                        one(f"ceiling-{i:05d}", kind, "ceiling@bench.local")
-                        for i, kind in enumerate(kinds(n, cpu_fraction))
-                    ),
+                    (start(f"ceiling-{i:05d}", kind) for i, kind in enumerate(kinds(n, cpu_fraction))),
                     concurrency,
                 ),
-                deadline.bound(1800),
+                deadline.bound(600),
             )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise BenchError(f"{len(errors)} ceiling workflows failed to start, e.g. {errors[0]!r}")
+            await wait_all_closed(client, f"IrisSubmitter = '{user}'", within=deadline.bound(1800))
         cpu.stop()
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise BenchError(f"{len(errors)} ceiling workflows failed, e.g. {errors[0]!r}")
-        burst: list[JobTimes] = list(results)
-        closed = await close_times(client, "IrisSubmitter = 'ceiling@bench.local'", len(burst))
-        for j in burst:
-            j.closed_ms = closed.get(j.job_id)
+        closed = await close_times(client, f"IrisSubmitter = '{user}'", len(starts))
+        burst = [
+            JobTimes(wf, kind, "CLOSED", None, ms, rpc, None, None, None, None, closed.get(wf))
+            for wf, (kind, ms, rpc) in starts.items()
+        ]
         burst_phase = Phase("ceiling", burst, t0, cpu, Counter(), load.summary(), {}, [])
         return light_phase_, burst_phase
     finally:
@@ -373,25 +411,35 @@ async def load_phase(
     cpu = CpuMeter(stack.pids()).start()
     t0_ms = int(time.time() * 1000)
 
-    async def one(i: int, kind: str) -> tuple[JobTimes, float]:
+    rpc_ms: dict[str, float] = {}
+    job_kinds: dict[str, str] = {}
+
+    async def submit(i: int, kind: str) -> None:
         # The spec (and its submit_ms) is made when the start is actually sent.
         spec = spec_for(kind, f"load-{i:05d}", user, ["true"])
-        return await submit_and_wait(iris, spec, kind, within=deadline.bound(1800))
+        t = time.perf_counter()
+        await iris.submit_spec(spec)
+        rpc_ms[spec.job_id] = (time.perf_counter() - t) * 1000
+        job_kinds[spec.job_id] = kind
 
     try:
         with LoadSampler() as load:
-            results = await asyncio.wait_for(
-                gather_bounded((one(i, k) for i, k in enumerate(kinds(n, cpu_fraction))), concurrency),
-                deadline.bound(1800),
+            # Open loop: every job is submitted as fast as ``concurrency`` starts in flight allow,
+            # then the run waits for all of them.
+            submitted = await asyncio.wait_for(
+                gather_bounded((submit(i, k) for i, k in enumerate(kinds(n, cpu_fraction))), concurrency),
+                deadline.bound(600),
             )
+            errors = [r for r in submitted if isinstance(r, BaseException)]
+            if errors:
+                raise BenchError(f"{len(errors)} submissions failed, e.g. {errors[0]!r}")
+            await wait_all_closed(stack.client, f"IrisSubmitter = '{user}'", within=deadline.bound(1800))
     finally:
         cpu.stop()
         for spy in spies:
             spy.stop()
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise BenchError(f"{len(errors)} jobs failed to complete, e.g. {errors[0]!r}")
-    jobs = [r[0] for r in results]
+    statuses = await results_of(stack.client, list(job_kinds))
+    jobs = [JobTimes.of(job_kinds[st.job_id], st, rpc_ms[st.job_id]) for st in statuses]
     closed = await close_times(stack.client, f"IrisSubmitter = '{user}'", len(jobs))
     for j in jobs:
         j.closed_ms = closed.get(j.job_id)
