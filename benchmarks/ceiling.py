@@ -1,9 +1,10 @@
 """The engine's ceiling: a no-op workflow shaped like a real job, on the same server.
 
-``CeilingWorkflow`` runs the same number of activities as a real ``JobWorkflow`` of its kind and
-waits for the same number of signals at the same point (after its "enqueue" activity), but every
-activity returns at once and the signals come from a zero-cost ticker in the worker process (the
-stand-in for the placement tick, which also signals jobs from the worker). No search-attribute
+``CeilingWorkflow`` runs the steps a real ``JobWorkflow`` of its kind runs, in the same order, as
+read from real histories: each activity, local activity and signal wait ("a", "l", "s"). Every
+activity returns at once; the step just before a signal wait registers the workflow with a
+zero-cost ticker in the worker process, which signals it at once (the stand-in for the placement
+tick, which also signals jobs from the worker after their enqueue step). No search-attribute
 upserts, no controller, no store: what is left is Temporal's own cost per job.
 
 Run as its own process, like ``iris worker``::
@@ -34,12 +35,9 @@ CEILING_WORKFLOW = "CeilingWorkflow"
 
 
 class CeilingInput(BaseModel):
-    """One job's shape: ``activities`` no-op activities; ``signals`` awaited after activity
-    number ``wait_after`` (0-based; -1 = none)."""
+    """One job's shape: its steps in order, "a" activity, "l" local activity, "s" one signal."""
 
-    activities: int
-    signals: int = 0
-    wait_after: int = -1
+    steps: str = "a"
 
 
 _RETRY = RetryPolicy(maximum_attempts=3)
@@ -57,15 +55,23 @@ class CeilingWorkflow:
 
     @workflow.run
     async def run(self, inp: CeilingInput) -> int:
-        for i in range(inp.activities):
-            if i == inp.wait_after:
-                await workflow.execute_activity(
-                    "ceiling_enqueue", inp.signals, start_to_close_timeout=_TIMEOUT, retry_policy=_RETRY
+        steps = inp.steps
+        awaited = 0
+        for i, step in enumerate(steps):
+            if step == "s":
+                awaited += 1
+                await workflow.wait_condition(lambda n=awaited: self._signals >= n)  # type: ignore[misc]
+                continue
+            # The step before a run of signal waits is the "enqueue": it asks the ticker for them.
+            wanted = len(steps[i + 1 :]) - len(steps[i + 1 :].lstrip("s"))
+            name, arg = ("ceiling_enqueue", wanted) if wanted else ("ceiling_noop", i)
+            if step == "l":
+                await workflow.execute_local_activity(
+                    name, arg, start_to_close_timeout=_TIMEOUT, retry_policy=_RETRY
                 )
-                await workflow.wait_condition(lambda: self._signals >= inp.signals)
             else:
                 await workflow.execute_activity(
-                    "ceiling_noop", i, start_to_close_timeout=_TIMEOUT, retry_policy=_RETRY
+                    name, arg, start_to_close_timeout=_TIMEOUT, retry_policy=_RETRY
                 )
         return self._signals
 
@@ -84,7 +90,9 @@ class Ticker:
 
     @activity.defn(name="ceiling_enqueue")
     async def enqueue(self, signals: int) -> None:
-        self._pending.append((activity.info().workflow_id, signals))
+        workflow_id = activity.info().workflow_id
+        assert workflow_id is not None
+        self._pending.append((workflow_id, signals))
         self._wake.set()
 
     async def _poke(self, workflow_id: str) -> None:

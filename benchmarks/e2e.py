@@ -276,16 +276,13 @@ async def manager_ticks(stack: BenchStack, since_ms: int, until_ms: int) -> list
 
 
 def profile_of(histories: dict[str, list[HistoryStats]]) -> dict[str, CeilingInput]:
-    """The ceiling's shape per kind: mean activities and signals of the real jobs, rounded."""
+    """The ceiling's shape per kind: the most common step sequence of the real jobs (activities,
+    local activities and signals in history order)."""
     out: dict[str, CeilingInput] = {}
     for kind, hs in histories.items():
-        if not hs:
-            continue
-        activities = round(mean(h.activity_count for h in hs))
-        signals = round(mean(h.signal_count for h in hs))
-        out[kind] = CeilingInput(
-            activities=activities, signals=signals, wait_after=1 if signals and activities > 1 else -1
-        )
+        if hs:
+            steps, _ = Counter(h.steps for h in hs).most_common(1)[0]
+            out[kind] = CeilingInput(steps=steps)
     return out
 
 
@@ -323,7 +320,7 @@ async def ceiling_phase(
         t = time.perf_counter()
         handle = await client.start_workflow(
             CEILING_WORKFLOW,
-            profile.get(kind, CeilingInput(activities=1)),
+            profile.get(kind, CeilingInput()),
             id=wf_id,
             task_queue=CEILING_QUEUE,
             search_attributes=sa(user),
@@ -366,7 +363,7 @@ async def ceiling_phase(
             t = time.perf_counter()
             await client.start_workflow(
                 CEILING_WORKFLOW,
-                profile.get(kind, CeilingInput(activities=1)),
+                profile.get(kind, CeilingInput()),
                 id=wf_id,
                 task_queue=CEILING_QUEUE,
                 search_attributes=sa(user),
@@ -648,13 +645,16 @@ def report(
                 "KiB": mean(h.bytes for h in hs) / 1024,
                 "workflow tasks": mean(h.workflow_tasks for h in hs),
                 "activities": mean(h.activity_count for h in hs),
+                "local act.": mean(h.local_activities for h in hs),
                 "signals": mean(h.signal_count for h in hs),
                 "SA upserts": mean(h.upserts for h in hs),
                 "round trips": mean(h.round_trips() for h in hs),
             }
             per_job[f"{phase.name} {kind}"] = row
             hist_rows.append([f"{phase.name} {kind} (n={len(hs)})", *row.values()])
-    print(table(["", "events", "KiB", "WFTs", "activities", "signals", "upserts", "RPCs"], hist_rows))
+    print(
+        table(["", "events", "KiB", "WFTs", "activities", "local", "signals", "upserts", "RPCs"], hist_rows)
+    )
     for phase in (light, load):
         for kind, hs in phase.histories.items():
             acts: Counter[str] = Counter()

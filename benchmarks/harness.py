@@ -342,6 +342,8 @@ class HistoryStats:
     by_type: Counter[str]
     activities: Counter[str]
     signals: Counter[str]
+    # The job's steps in history order: "a" activity, "l" local activity, "s" signal received.
+    steps: str = ""
 
     @property
     def workflow_tasks(self) -> int:
@@ -356,6 +358,10 @@ class HistoryStats:
         return sum(self.signals.values())
 
     @property
+    def local_activities(self) -> int:
+        return self.steps.count("l")
+
+    @property
     def upserts(self) -> int:
         return self.by_type["UPSERT_WORKFLOW_SEARCH_ATTRIBUTES"]
 
@@ -366,10 +372,14 @@ class HistoryStats:
         return 1 + 2 * self.workflow_tasks + 2 * attempts + self.signal_count
 
 
+LOCAL_ACTIVITY_MARKER = "core_local_activity"
+
+
 def history_stats(history: WorkflowHistory) -> HistoryStats:
     by_type: Counter[str] = Counter()
     activities: Counter[str] = Counter()
     signals: Counter[str] = Counter()
+    steps: list[str] = []
     size = 0
     for e in history.events:
         t = _event_type(e)
@@ -377,10 +387,21 @@ def history_stats(history: WorkflowHistory) -> HistoryStats:
         size += e.ByteSize()
         if t == "ACTIVITY_TASK_SCHEDULED":
             activities[e.activity_task_scheduled_event_attributes.activity_type.name] += 1
+            steps.append("a")
+        elif (
+            t == "MARKER_RECORDED" and e.marker_recorded_event_attributes.marker_name == LOCAL_ACTIVITY_MARKER
+        ):
+            steps.append("l")
         elif t == "WORKFLOW_EXECUTION_SIGNALED":
             signals[e.workflow_execution_signaled_event_attributes.signal_name] += 1
+            steps.append("s")
     return HistoryStats(
-        events=len(history.events), bytes=size, by_type=by_type, activities=activities, signals=signals
+        events=len(history.events),
+        bytes=size,
+        by_type=by_type,
+        activities=activities,
+        signals=signals,
+        steps="".join(steps),
     )
 
 
