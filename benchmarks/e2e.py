@@ -648,12 +648,16 @@ def report(
                 "local act.": mean(h.local_activities for h in hs),
                 "signals": mean(h.signal_count for h in hs),
                 "SA upserts": mean(h.upserts for h in hs),
+                "memo upserts": mean(h.memo_upserts for h in hs),
                 "round trips": mean(h.round_trips() for h in hs),
             }
             per_job[f"{phase.name} {kind}"] = row
             hist_rows.append([f"{phase.name} {kind} (n={len(hs)})", *row.values()])
     print(
-        table(["", "events", "KiB", "WFTs", "activities", "local", "signals", "upserts", "RPCs"], hist_rows)
+        table(
+            ["", "events", "KiB", "WFTs", "activities", "local", "signals", "SA upd", "memo upd", "RPCs"],
+            hist_rows,
+        )
     )
     for phase in (light, load):
         for kind, hs in phase.histories.items():

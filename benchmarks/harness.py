@@ -365,6 +365,10 @@ class HistoryStats:
     def upserts(self) -> int:
         return self.by_type["UPSERT_WORKFLOW_SEARCH_ATTRIBUTES"]
 
+    @property
+    def memo_upserts(self) -> int:
+        return self.by_type["WORKFLOW_PROPERTIES_MODIFIED"]
+
     def round_trips(self) -> int:
         """Worker↔server RPCs this history implies: start, 2 per workflow task (poll + complete),
         2 per activity attempt (poll + complete), 1 per signal. Heartbeats and queries not counted."""
