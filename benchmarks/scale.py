@@ -1,6 +1,6 @@
 """Scale benchmark: a large queue waiting on a full federation.
 
-    uv run python -m benchmarks.scale [--jobs 5000] [--settle 60]
+    uv run python -m benchmarks.scale [--jobs 3000] [--settle 60]
 
 Starts its own real stack (as ``benchmarks/e2e.py``: in-memory dev server, emulators, controllers
 as processes, ``iris worker`` as its own process so its RSS is its own), fills every peer with one
@@ -11,8 +11,9 @@ end it reads every placement tick from the manager's histories (all its runs: it
 every ``ticks_per_run`` ticks) and fetches a sample of job histories, to show per-job and
 per-manager-run history sizes and that continue-as-new keeps the manager's history bounded.
 
-10k jobs take about 8–10 minutes to submit on a 2-core machine; the default is smaller so a run
-finishes in about 10 minutes. Not a test. See docs/BENCHMARKS.md.
+On a 2-core machine the jobs reach the queue at a few per second (each runs its classification
+and enqueue first), so 10k jobs take well over 10 minutes; the default is smaller so a run finishes
+in about 10 minutes. Not a test. See docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -406,7 +407,7 @@ def report(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", type=int, default=5000, help="queued jobs (10000 takes ~15 minutes here)")
+    p.add_argument("--jobs", type=int, default=3000, help="queued jobs (see docs/BENCHMARKS.md for 10k)")
     p.add_argument("--concurrency", type=int, default=50, help="submissions in flight")
     p.add_argument(
         "--settle", type=float, default=60, help="seconds to watch the full queue after submitting"
