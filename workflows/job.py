@@ -16,6 +16,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import CancelledError as TemporalCancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
@@ -52,7 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from iris.policy import QUEUED_REASON, classify, pick_backend, queued_for_peer_reason
     from iris.policy.models import Disposition, JobShape, Placement
     from iris.reports import FederationView
-    from iris.store.models import HandleState, PromoteOutcome
+    from iris.store.models import HandleState, JobHandle, PromoteOutcome
 
 _QUICK = timedelta(seconds=30)
 _STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
@@ -86,6 +87,13 @@ _HANDLE_TERMINAL: dict[JobState, HandleState] = {
 }
 CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    """A Temporal cancel of this workflow, as opposed to an activity's own failure."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    return isinstance(exc, ActivityError) and isinstance(exc.cause, TemporalCancelledError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,8 @@ class JobWorkflow:
         self._memo_reason: str | None = None
         self._pin: str | None = None
         self._clusters: list[str] = []
+        self._enqueue_op: workflow.ActivityHandle[JobHandle] | None = None
+        self._launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -265,6 +275,8 @@ class JobWorkflow:
                 retry_policy=_STORE_RETRY,
             )
         except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
             # The queue's bookkeeping refused a transition; the job itself goes on, and says so.
             assert self._status is not None
             self._event(self._status.state, f"federation store kept its state: {exc.cause or exc}")
@@ -278,8 +290,12 @@ class JobWorkflow:
         self._set(JobState.CLASSIFYING, self._status.reason)
         try:
             result = await self._lifecycle(spec)
-        except asyncio.CancelledError:
-            # Temporal's own cancel converges on the same path as the signal and the update.
+        except (asyncio.CancelledError, ActivityError) as exc:
+            # Temporal's own cancel converges on the same path as the signal and the update. It
+            # surfaces as CancelledError, or as ActivityError(CancelledError) from the activity
+            # that was running when it arrived.
+            if not _is_cancellation(exc):
+                raise
             self._request_cancel(CancelRequest(reason="Cancelled through Temporal"))
             result = await self._after_temporal_cancel(spec)
         await workflow.wait_condition(workflow.all_handlers_finished)
@@ -329,7 +345,9 @@ class JobWorkflow:
         # Set first: if a Temporal cancel interrupts this await after the insert committed, the
         # cancel path must still record the handle's end, or the queue keeps a zombie.
         self._queued = True
-        await workflow.execute_activity_method(
+        # Shielded: a Temporal cancel must not abandon the insert half-way; the cancel path waits
+        # for it and then records the cancel against the handle it wrote.
+        op = workflow.start_activity_method(
             StoreActivities.enqueue_job,
             EnqueueInput(
                 shape=shape.model_copy(update={"target_cluster": self._pin}), incarnation=self._incarnation
@@ -337,6 +355,8 @@ class JobWorkflow:
             start_to_close_timeout=_QUICK,
             retry_policy=_STORE_RETRY,
         )
+        self._enqueue_op = op
+        await asyncio.shield(op)
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
         report = view.report(cluster)
@@ -491,14 +511,18 @@ class JobWorkflow:
             backend_id=backend,
         )
         try:
-            launched = await workflow.execute_activity_method(
+            # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
+            # terminates on the peer (a swallowed cancel would let the job run on).
+            self._launch_op = workflow.start_activity_method(
                 PeerActivities.launch_job,
                 LaunchInput(cluster=cluster, request=request),
                 start_to_close_timeout=_QUICK,
                 retry_policy=_HANDOFF_RETRY,
-                cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             )
+            launched = await asyncio.shield(self._launch_op)
         except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
                 return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
@@ -527,6 +551,8 @@ class JobWorkflow:
                 retry_policy=_ARTIFACT_RETRY,
             )
         except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
             return _Parked(f"Cannot check artifacts in {cluster}'s object store: {exc.cause or exc}")
         if report.missing:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
@@ -599,6 +625,8 @@ class JobWorkflow:
             try:
                 remote = await handle
             except ActivityError as exc:
+                if _is_cancellation(exc):
+                    raise
                 cause = exc.cause
                 if isinstance(cause, ApplicationError) and cause.type == JOB_LOST:
                     if terminated:
@@ -629,6 +657,11 @@ class JobWorkflow:
     async def _after_temporal_cancel(self, spec: JobSpec) -> JobStatus:
         st = self._status
         assert st is not None
+        # Let shielded writes land first, so the cancel is recorded against what they wrote.
+        for op in (self._enqueue_op, self._launch_op):
+            if op is not None and not op.done():
+                with contextlib.suppress(ActivityError):
+                    await op
         if st.terminal:
             return st
         if not self._delivered or st.cluster is None:

@@ -231,8 +231,10 @@ class Race:
     milestones: Milestones
     task_queue: str
     rng: random.Random
+    started: list[str] = field(default_factory=list)
 
     async def start(self, job_id: str) -> WorkflowHandle[JobWorkflow, JobStatus]:
+        self.started.append(job_id)
         spec = build_spec(
             ["true"], name=job_id.split("/")[1], user="race@example.com", device_type="h100", gpu_count=8
         )
@@ -394,8 +396,7 @@ async def forget(stack: Stack, race: Race) -> None:
                     )
                 )
 
-    ids = [wf.id async for wf in stack.client.list_workflows(f"TaskQueue = '{race.task_queue}'")]
-    await asyncio.gather(*(delete(i) for i in ids))
+    await asyncio.gather(*(delete(job_id) for job_id in race.started))
 
 
 @pytest.mark.timeout(900)
@@ -432,14 +433,8 @@ async def test_cancel_racing_promotion_1000_times_never_violates(race: Race) -> 
 
 # ---- deterministic reproductions of what the race found ----------------------------------------
 
-TEMPORAL_CANCEL_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="workflows/job.py run() catches asyncio.CancelledError only; a Temporal cancel that "
-    "interrupts an awaited activity raises ActivityError(cause=CancelledError). Remove once fixed.",
-)
 
 
-@TEMPORAL_CANCEL_XFAIL
 async def test_a_temporal_cancel_while_classifying_kills_the_job(race: Race) -> None:
     race.peer.report_delay_s = 1.0  # the cancel lands while fetch_reports runs
     handle = await race.start(f"race/classifying-{uuid.uuid4().hex[:6]}")
@@ -450,7 +445,6 @@ async def test_a_temporal_cancel_while_classifying_kills_the_job(race: Race) -> 
     assert final.state is JobState.KILLED
 
 
-@TEMPORAL_CANCEL_XFAIL
 async def test_a_temporal_cancel_during_enqueue_leaves_no_queued_handle(race: Race) -> None:
     race.queue.enqueue_delay_s = 1.0  # the cancel lands while the handle is being written
     job_id = f"race/enqueueing-{uuid.uuid4().hex[:6]}"
