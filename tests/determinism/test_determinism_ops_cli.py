@@ -45,9 +45,7 @@ async def test_a_nondeterministic_live_history_fails_the_check(stack: Stack) -> 
     job_id = f"determinism/drift-{uuid.uuid4().hex[:8]}"
     spec = JobSpec(job_id=job_id, name="drift", user="ops@example.com", command=["true"])
     async with Worker(stack.client, task_queue=task_queue, workflows=[DriftedJobWorkflow]):
-        await stack.client.execute_workflow(
-            DriftedJobWorkflow.run, spec, id=job_id, task_queue=task_queue, result_type=JobStatus
-        )
+        await stack.client.execute_workflow(DriftedJobWorkflow.run, spec, id=job_id, task_queue=task_queue)
     try:
         res = await stack.cli("ops", "check-determinism", "--query", f"WorkflowId = '{job_id}'")
         assert res.code == 1, res.stdout + res.stderr
