@@ -19,6 +19,9 @@ class FederationView(BaseModel):
     home: str
     stale_after_ms: int
     reports: list[PeerReport]
+    # When the reports were read: staleness is judged at that instant, not when a (possibly
+    # delayed) workflow task gets to look at them.
+    fetched_ms: int | None = None
 
     def report(self, cluster: str) -> PeerReport | None:
         return next((r for r in self.reports if r.peer_id == cluster), None)
@@ -43,7 +46,12 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
     reports = await asyncio.gather(
         *(cluster_report(config, c.name, timeout_s=timeout_s) for c in config.clusters)
     )
-    return FederationView(home=config.home, stale_after_ms=config.stale_after_ms, reports=list(reports))
+    return FederationView(
+        home=config.home,
+        stale_after_ms=config.stale_after_ms,
+        reports=list(reports),
+        fetched_ms=int(time.time() * 1000),
+    )
 
 
 def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:

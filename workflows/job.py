@@ -310,7 +310,9 @@ class JobWorkflow:
             shape,
             home=view.home,
             reports=view.reports,
-            now_ms=self._now_ms(),
+            # Judged when the reports were read: a workflow task delayed by a worker crash must
+            # not turn fresh reports stale and reject a job the federation can run.
+            now_ms=view.fetched_ms if view.fetched_ms is not None else self._now_ms(),
             stale_after_ms=view.stale_after_ms,
         )
         self._clusters = [r.peer_id for r in view.reports]
