@@ -41,6 +41,7 @@ from benchmarks.harness import (
     Deadline,
     HistoryStats,
     LoadSampler,
+    PySpy,
     child_pid,
     fetch_stats,
     gather_bounded,
@@ -49,6 +50,7 @@ from benchmarks.harness import (
     pcts,
     rss_mib,
     run_main,
+    summarize_collapsed,
     table,
     uptime_line,
     wait_until,
@@ -263,7 +265,20 @@ async def run(args: argparse.Namespace) -> int:
                     f"settling {args.settle:.0f}s",
                     flush=True,
                 )
-                await asyncio.sleep(deadline.bound(args.settle))
+                spy: PySpy | None = None
+                if args.profile:
+                    spy = PySpy(wpid, root / "worker-settle.txt")
+                    if not spy.start():
+                        spy = None
+                try:
+                    await asyncio.sleep(deadline.bound(args.settle))
+                finally:
+                    if spy is not None:
+                        spy.stop()
+                        info["profile"] = {
+                            "all": summarize_collapsed(spy.out, top=20),
+                            "project": summarize_collapsed(spy.out, top=25, project_only=True),
+                        }
         finally:
             sampler_task.cancel()
             cpu.stop()
@@ -424,6 +439,17 @@ def report(
     print(table(["process", "CPU s", "ms/job"], [[k, v, 1000 * v / n] for k, v in sorted(cpu.used.items())]))
     out["cpu_seconds"] = cpu.used
     out["samples"] = [s.__dict__ for s in samples]
+    prof = info.get("profile")
+    if prof:
+        print("\npy-spy of the worker while the full queue settles: project code, % of samples")
+        print("  inclusive                                                   | deepest project frame")
+        for (name, share), (name2, share2) in zip(
+            prof["project"]["inclusive"], prof["project"]["self"], strict=False
+        ):
+            print(f"  {share:5.1f}%  {name:<55} {share2:5.1f}%  {name2}")
+        print("py-spy: self time, all code")
+        for name, share in prof["all"]["self"]:
+            print(f"  {share:5.1f}%  {name}")
     return out
 
 
@@ -444,6 +470,7 @@ def main() -> None:
     p.add_argument("--sample-interval", type=float, default=10, help="seconds between samples")
     p.add_argument("--history-sample", type=int, default=50, help="job histories fetched")
     p.add_argument("--timeout", type=float, default=1800, help="bound on the whole run, seconds")
+    p.add_argument("--profile", action="store_true", help="py-spy the worker while the full queue settles")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
     p.add_argument(
