@@ -249,8 +249,16 @@ async def run(args: argparse.Namespace) -> int:
                 )
 
                 # Every submitted job in the queue, within the budget (a minute's grace).
+                progress = {"queued": -1, "since": time.monotonic()}
+
                 async def all_queued() -> bool:
-                    return await count_queued() >= counts["submitted"]
+                    queued = await count_queued()
+                    if queued != progress["queued"]:
+                        progress["queued"], progress["since"] = queued, time.monotonic()
+                    elif time.monotonic() - progress["since"] > 60:
+                        print(f"  the queue stopped growing at {queued}; the job states below say why")
+                        return True
+                    return queued >= counts["submitted"]
 
                 with contextlib.suppress(BenchError):
                     await wait_until(
