@@ -26,7 +26,7 @@ def validate_job_id(job_id: str) -> str:
     """Return ``job_id`` if it is a valid job id, else raise ValueError with the reason."""
     if not job_id or len(job_id) > MAX_JOB_ID_LEN:
         raise ValueError(f"job id must be 1..{MAX_JOB_ID_LEN} characters")
-    if not _JOB_ID_RE.match(job_id):
+    if not _JOB_ID_RE.fullmatch(job_id):
         raise ValueError(
             "job id must be '/'-separated segments of letters, digits and ._@+=:,~- "
             "(no empty segments, no segment starting with '.')"
