@@ -267,7 +267,8 @@ async def run(args: argparse.Namespace) -> int:
                         interval=1.0,
                         what="the submitted jobs to be queued",
                     )
-                queued_s = time.monotonic() - t0
+                # When the queue reached its final length (not when this wait gave up).
+                queued_s = progress["since"] - t0
                 print(
                     f"[{time.strftime('%X')}] {counts['queued']} queued after {queued_s:.0f}s; "
                     f"settling {args.settle:.0f}s",
