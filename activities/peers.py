@@ -48,11 +48,19 @@ class TerminateInput(BaseModel):
 
 class PeerActivities:
     def __init__(
-        self, config: FederationConfig, relay: LogRelay | None = None, *, request_timeout_s: float = 5.0
+        self,
+        config: FederationConfig,
+        relay: LogRelay | None = None,
+        *,
+        request_timeout_s: float = 5.0,
+        reports_reuse_s: float = 0.5,
     ) -> None:
         self._config = config
         self._relay = relay
         self._timeout = request_timeout_s
+        self._reuse_s = reports_reuse_s
+        self._view: tuple[float, FederationView] | None = None
+        self._reading: asyncio.Task[FederationView] | None = None
 
     def _client(self, cluster: str) -> ControllerClient:
         try:
@@ -65,8 +73,24 @@ class PeerActivities:
 
     @activity.defn
     async def fetch_reports(self) -> FederationView:
-        """Poll every cluster's controller concurrently; an unreachable one is reported as such."""
-        return await gather_reports(self._config, timeout_s=self._timeout)
+        """Poll every cluster's controller concurrently; an unreachable one is reported as such.
+
+        A burst of submissions shares one read: callers arriving while a read is in flight wait
+        for it, and a view read less than ``reports_reuse_s`` ago is answered as is (it carries
+        its own ``fetched_ms``, which classification judges staleness by).
+        """
+        cached = self._view
+        if cached is not None and time.monotonic() - cached[0] <= self._reuse_s:
+            return cached[1]
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read_reports())
+        # Shielded: one caller's cancellation must not cancel the read the others wait on.
+        return await asyncio.shield(self._reading)
+
+    async def _read_reports(self) -> FederationView:
+        view = await gather_reports(self._config, timeout_s=self._timeout)
+        self._view = (time.monotonic(), view)
+        return view
 
     @activity.defn
     async def launch_job(self, inp: LaunchInput) -> ControllerJobStatus:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 from pydantic import BaseModel
 from temporalio import activity
@@ -15,7 +16,7 @@ from temporalio import activity
 from iris.config import FederationConfig
 from iris.jobs import workflow_id
 from iris.policy import plan_request
-from iris.policy.models import PlanRequest
+from iris.policy.models import Placement, PlanRequest
 from iris.reports import gather_reports
 from iris.store import FederationStore
 
@@ -29,6 +30,8 @@ class TickOutcome(BaseModel):
 
     at_ms: int
     queued: int
+    # Queued jobs already offered a placement whose answer is awaited (not planned again).
+    offered: int = 0
     placed: list[str]
     expired: list[str]
     explained: int
@@ -36,12 +39,35 @@ class TickOutcome(BaseModel):
     unreachable: list[str]
     plan_ms: float
     total_ms: float
+    # Some peer took as many placements as the per-peer cap allows while jobs were left waiting:
+    # the manager ticks again at once instead of after its interval.
+    saturated: bool = False
 
 
 class PlacementActivities:
-    def __init__(self, config: FederationConfig, store: FederationStore) -> None:
+    def __init__(
+        self, config: FederationConfig, store: FederationStore, *, offer_lease_s: float = 5.0
+    ) -> None:
         self._config = config
         self._store = store
+        # Placements signalled but not yet answered by the job's promotion (its workflow task may
+        # wait behind others): for ``offer_lease_s`` the job is not offered again, and what the
+        # offer would reserve is held in the next ticks' plans, so a backlog neither burns the
+        # per-peer cap on repeats nor lets one tick's capacity be offered twice. In memory only:
+        # after a restart a job is at worst offered twice, which its promotion CAS absorbs.
+        self._lease_s = offer_lease_s
+        self._offers: dict[str, tuple[float, Placement]] = {}
+
+    def _outstanding(self, queued: list[str]) -> dict[str, Placement]:
+        """Offers still awaiting their job's answer; answered (no longer queued) or lapsed ones go."""
+        now = time.monotonic()
+        waiting = set(queued)
+        self._offers = {
+            job_id: (at, p)
+            for job_id, (at, p) in self._offers.items()
+            if job_id in waiting and now - at < self._lease_s
+        }
+        return {job_id: p for job_id, (_, p) in self._offers.items()}
 
     async def _signal(self, job_id: str, name: str, arg: object) -> None:
         handle = activity.client().get_workflow_handle(workflow_id(job_id))
@@ -62,28 +88,38 @@ class PlacementActivities:
         await asyncio.to_thread(store.prune_reservations, reports)
         queued = await asyncio.to_thread(store.queued)
         reservations = await asyncio.to_thread(store.reservations)
+        offered = self._outstanding([h.job_id for h in queued])
+        held = [r for p in offered.values() if (r := p.reservation()) is not None]
         t0 = time.perf_counter()
         result = plan_request(
             PlanRequest(
                 home=view.home,
-                jobs=[h.shape for h in queued],
+                jobs=[h.shape for h in queued if h.job_id not in offered],
                 reports=reports,
-                reservations=reservations,
+                reservations=[*reservations, *held],
                 now_ms=now_ms,
                 stale_after_ms=view.stale_after_ms,
                 max_per_peer=inp.max_per_peer,
             )
         )
         plan_ms = (time.perf_counter() - t0) * 1000
+        offered_at = time.monotonic()
+        for p in result.placements:
+            self._offers[p.job_id] = (offered_at, p)
         reasons = {job_id: group.summary for group in result.waiting for job_id in group.job_ids}
         changed = await asyncio.to_thread(store.update_reasons, reasons)
         sends: list[tuple[str, str, object]] = [(j, "expire", None) for j in [*expired, *result.expired]]
         sends += [(p.job_id, "place", p) for p in result.placements]
         sends += [(j, "explain", reasons[j]) for j in changed]
         await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
+        per_peer = Counter(p.peer_id for p in result.placements)
+        cap = inp.max_per_peer
+        saturated = bool(result.waiting) and cap is not None and any(n >= cap for n in per_peer.values())
         return TickOutcome(
+            saturated=saturated,
             at_ms=now_ms,
             queued=len(queued),
+            offered=len(offered),
             placed=[p.job_id for p in result.placements],
             expired=sorted({*expired, *result.expired}),
             explained=len(changed),

@@ -23,6 +23,16 @@ def manager_workflow_id(task_queue: str) -> str:
     return f"iris-placement-manager/{task_queue}"
 
 
+PLACEMENT_QUEUE_SUFFIX = "-placement"
+
+
+def placement_task_queue(task_queue: str) -> str:
+    """The placement manager's own task queue: its ticks never wait behind the jobs' tasks."""
+    if task_queue.endswith(PLACEMENT_QUEUE_SUFFIX):
+        return task_queue
+    return task_queue + PLACEMENT_QUEUE_SUFFIX
+
+
 class EnqueueInput(BaseModel):
     shape: JobShape
     incarnation: str

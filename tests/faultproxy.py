@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -25,6 +26,8 @@ class FaultProxy:
         self.fail_launches = 0
         self.refused_launches = 0
         self.forwarded_launches = 0
+        # Requests seen, by "METHOD /path" (query string left out).
+        self.requests: Counter[str] = Counter()
         self._http = httpx.AsyncClient(timeout=30)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -46,6 +49,7 @@ class FaultProxy:
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
+        self.requests[f"{scope['method']} {scope['path']}"] += 1
         is_launch = scope["method"] == "POST" and scope["path"] == "/v1/jobs"
         if is_launch and self.fail_launches > 0:
             self.fail_launches -= 1

@@ -12,7 +12,7 @@ from temporalio.worker import Worker
 from activities.artifacts import ArtifactActivities
 from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
-from activities.store import StoreActivities, manager_workflow_id
+from activities.store import StoreActivities, manager_workflow_id, placement_task_queue
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
 from iris.logrelay import LogRelay
 from iris.store import FederationStore
@@ -22,12 +22,50 @@ from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
 
 
-def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> Worker:
+class FederationWorker:
+    """The jobs' worker and the placement manager's, on their two task queues, as one unit.
+
+    The manager has a queue of its own so that its ticks never wait behind a backlog of job
+    tasks; the jobs' queue still serves a manager started there by an older version until that
+    run moves over at its next continue-as-new.
+    """
+
+    def __init__(self, jobs: Worker, placement: Worker) -> None:
+        self.jobs = jobs
+        self.placement = placement
+        self._workers = (jobs, placement)
+
+    async def run(self) -> None:
+        """Run both until shutdown; if one fails, the other is shut down and the error raised."""
+        tasks = [asyncio.create_task(w.run()) for w in self._workers]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            if not all(t.done() for t in tasks):
+                await self.shutdown()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(w.shutdown() for w in self._workers if w.is_running))
+
+    async def __aenter__(self) -> FederationWorker:
+        self._run_task = asyncio.create_task(self.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+        await asyncio.gather(self._run_task, return_exceptions=True)
+
+
+def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> FederationWorker:
     peers = PeerActivities(config, LogRelay(config))
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)
-    return Worker(
+    jobs = Worker(
         client,
         task_queue=config.temporal.task_queue,
         workflows=[JobWorkflow, PlacementManager, ListPeersWorkflow],
@@ -47,6 +85,14 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         ],
         max_concurrent_activities=200,
     )
+    ticks = Worker(
+        client,
+        task_queue=placement_task_queue(config.temporal.task_queue),
+        workflows=[PlacementManager],
+        activities=[placement.placement_tick],
+        max_concurrent_activities=4,
+    )
+    return FederationWorker(jobs, ticks)
 
 
 async def ensure_manager(client: Client, config: FederationConfig) -> None:
@@ -55,7 +101,7 @@ async def ensure_manager(client: Client, config: FederationConfig) -> None:
         PlacementManager.run,
         ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
         id=manager_workflow_id(config.temporal.task_queue),
-        task_queue=config.temporal.task_queue,
+        task_queue=placement_task_queue(config.temporal.task_queue),
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary="Placement tick: queued jobs × peer capacity",
     )

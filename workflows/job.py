@@ -11,7 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -86,6 +88,13 @@ _HANDLE_TERMINAL: dict[JobState, HandleState] = {
     JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
 }
 CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+# Runs started with this patch do the federation-store steps and the capacity read as local
+# activities, and upsert a search attribute only when its value changes (issue 9). Runs recorded
+# before it replay on the old path.
+LOCAL_STEPS_PATCH = "local-store-steps-v1"
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 
 
@@ -131,6 +140,9 @@ class JobWorkflow:
         self._memo_reason: str | None = None
         self._pin: str | None = None
         self._clusters: list[str] = []
+        self._local_steps = False
+        # What the visibility store holds, so an unchanged value is not upserted again.
+        self._sa_state: str | None = None
         self._enqueue_op: workflow.ActivityHandle[JobHandle] | None = None
         self._launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
 
@@ -236,19 +248,42 @@ class JobWorkflow:
         st.state = state
         st.reason = reason
         st.updated_ms = self._now_ms()
-        updates = [SA_STATE.value_set(state.value)]
-        if cluster is not None and cluster != st.cluster:
-            st.cluster = cluster
-            updates.append(SA_PEER.value_set(cluster))
+        new_peer = cluster if cluster is not None and cluster != st.cluster else None
+        if new_peer is not None:
+            st.cluster = new_peer
             changed = True
         if changed and record:
             self._event(state, reason)
-        workflow.upsert_search_attributes(updates)
+        self._upsert_search_attributes(state, new_peer)
         if reason != self._memo_reason:
             # The reason rides in the memo so `iris job list` shows it without querying every job.
             self._memo_reason = reason
             workflow.upsert_memo({"reason": reason})
         workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
+
+    def _upsert_search_attributes(self, state: JobState, new_peer: str | None) -> None:
+        updates = []
+        # Runs recorded before the patch upserted the state on every change of state or reason.
+        if state.value != self._sa_state or not self._local_steps:
+            updates.append(SA_STATE.value_set(state.value))
+            self._sa_state = state.value
+        if new_peer is not None:
+            updates.append(SA_PEER.value_set(new_peer))
+        if updates:
+            workflow.upsert_search_attributes(updates)
+
+    def _store_step(
+        self, method: Callable[[StoreActivities, _In], Awaitable[_Out]], arg: _In
+    ) -> workflow.ActivityHandle[_Out]:
+        """A federation-store transaction: milliseconds on the worker's own store connection, so a
+        local activity (no task-queue round trip) unless this run predates the patch."""
+        if self._local_steps:
+            return workflow.start_local_activity_method(
+                method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY
+            )
+        return workflow.start_activity_method(
+            method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY
+        )
 
     async def _finish(self, state: JobState, reason: str) -> JobStatus:
         self._set(state, reason)
@@ -266,13 +301,11 @@ class JobWorkflow:
     async def _handle_state(self, state: HandleState, reason: str | None = None) -> None:
         assert self._spec is not None
         try:
-            await workflow.execute_activity_method(
+            await self._store_step(
                 StoreActivities.set_handle_state,
                 HandleStateInput(
                     job_id=self._spec.job_id, incarnation=self._incarnation, state=state, reason=reason
                 ),
-                start_to_close_timeout=_QUICK,
-                retry_policy=_STORE_RETRY,
             )
         except ActivityError as exc:
             if _is_cancellation(exc):
@@ -286,6 +319,9 @@ class JobWorkflow:
     @workflow.run
     async def run(self, spec: JobSpec) -> JobStatus:
         assert self._status is not None
+        self._local_steps = workflow.patched(LOCAL_STEPS_PATCH)
+        if self._local_steps:
+            self._sa_state = JobState.CLASSIFYING.value  # set by the client at start
         self._event(JobState.CLASSIFYING, self._status.reason)
         self._set(JobState.CLASSIFYING, self._status.reason)
         try:
@@ -302,9 +338,14 @@ class JobWorkflow:
         return result
 
     async def _lifecycle(self, spec: JobSpec) -> JobStatus:
-        view = await workflow.execute_activity_method(
-            PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
-        )
+        if self._local_steps:
+            view = await workflow.execute_local_activity_method(
+                PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
+            )
+        else:
+            view = await workflow.execute_activity_method(
+                PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
+            )
         shape = spec.shape()
         decision = classify(
             shape,
@@ -349,13 +390,11 @@ class JobWorkflow:
         self._queued = True
         # Shielded: a Temporal cancel must not abandon the insert half-way; the cancel path waits
         # for it and then records the cancel against the handle it wrote.
-        op = workflow.start_activity_method(
+        op = self._store_step(
             StoreActivities.enqueue_job,
             EnqueueInput(
                 shape=shape.model_copy(update={"target_cluster": self._pin}), incarnation=self._incarnation
             ),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_STORE_RETRY,
         )
         self._enqueue_op = op
         await asyncio.shield(op)
@@ -385,11 +424,8 @@ class JobWorkflow:
             if self._cancel is not None:
                 return await self._cancel_queued()
             if self._expire:
-                await workflow.execute_activity_method(
-                    StoreActivities.expire_job,
-                    ExpireInput(job_id=spec.job_id, incarnation=self._incarnation),
-                    start_to_close_timeout=_QUICK,
-                    retry_policy=_STORE_RETRY,
+                await self._store_step(
+                    StoreActivities.expire_job, ExpireInput(job_id=spec.job_id, incarnation=self._incarnation)
                 )
                 return await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
             placement = self._placement
@@ -398,11 +434,9 @@ class JobWorkflow:
             # The CAS runs only while this workflow's cancellation state is clear; shielded so a
             # Temporal cancel never abandons it half-way (the store then decides who won).
             result = await asyncio.shield(
-                workflow.execute_activity_method(
+                self._store_step(
                     StoreActivities.promote_job,
                     PromoteInput(job_id=spec.job_id, incarnation=self._incarnation, placement=placement),
-                    start_to_close_timeout=_QUICK,
-                    retry_policy=_STORE_RETRY,
                 )
             )
             target = f"{placement.peer_id}/{placement.backend_id or '-'}"
@@ -423,11 +457,9 @@ class JobWorkflow:
     async def _cancel_queued(self) -> JobStatus:
         """Record the cancel intent in the store; either way the job is never delivered."""
         assert self._spec is not None and self._cancel is not None
-        outcome = await workflow.execute_activity_method(
+        outcome = await self._store_step(
             StoreActivities.record_cancel,
             CancelIntentInput(job_id=self._spec.job_id, reason=self._cancel.reason),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_STORE_RETRY,
         )
         if not outcome.won:
             self._event(JobState.PENDING_HANDOFF, "cancel arrived after promotion; the job is not handed off")
@@ -457,11 +489,8 @@ class JobWorkflow:
         if not action.requeue and (action.peer is None or action.peer == cluster):
             return cluster, backend
         if self._queued:
-            await workflow.execute_activity_method(
-                StoreActivities.requeue_job,
-                ExpireInput(job_id=spec.job_id, incarnation=self._incarnation),
-                start_to_close_timeout=_QUICK,
-                retry_policy=_STORE_RETRY,
+            await self._store_step(
+                StoreActivities.requeue_job, ExpireInput(job_id=spec.job_id, incarnation=self._incarnation)
             )
         else:
             await self._enqueue(spec.shape())

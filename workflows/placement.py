@@ -1,7 +1,9 @@
 """PlacementManager: the periodic placement tick (SPEC §5) as an entity workflow.
 
-Ticks every ``interval_s``, or at once when a job enters the queue (signal ``wake``); the tick
-itself is one activity. Continues as new every ``ticks_per_run`` ticks so its history stays bounded.
+Ticks every ``interval_s``, at once when a job enters the queue (signal ``wake``), and at once
+again after a tick that filled some peer's per-tick cap with jobs left waiting; the tick itself is
+one activity. Runs on its own task queue (``<queue>-placement``), so a backlog of job tasks never
+delays a tick. Continues as new every ``ticks_per_run`` ticks so its history stays bounded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.placement import PlacementActivities, TickInput, TickOutcome
+    from activities.store import placement_task_queue
+
+# A tick that hit the per-peer cap with jobs left waiting is followed at once by another.
+RETICK_PATCH = "retick-when-saturated-v1"
 
 
 class ManagerInput(BaseModel):
@@ -57,7 +63,10 @@ class PlacementManager:
                 self._failures += 1
                 workflow.logger.warning("placement tick failed: %s", exc.cause or exc)
             self._ticks += 1
+            if self._last is not None and self._last.saturated and workflow.patched(RETICK_PATCH):
+                continue
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(lambda: self._wake, timeout=timedelta(seconds=inp.interval_s))
         await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(inp)
+        # A manager started on the jobs' queue (before it had its own) moves to its own here.
+        workflow.continue_as_new(inp, task_queue=placement_task_queue(workflow.info().task_queue))

@@ -3,10 +3,15 @@
 The histories under ``histories/`` were recorded on the real stack by
 ``uv run python -m scripts.record_histories``; a change to workflows/ that breaks one of them would
 break every run in flight at deploy time. Regenerate them (one command) when the change is meant.
+
+``v1-*.json`` were recorded before ``LOCAL_STEPS_PATCH`` (issue 9: store steps as local
+activities, upserts only on change): runs started then take the unpatched branches, and these keep
+those branches replayable for as long as the code carries them. The recorder never overwrites them.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,7 +22,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from cli.ops import replay_histories, workflow_type_of
-from workflows.job import JobWorkflow
+from workflows.job import LOCAL_STEPS_PATCH, JobWorkflow
 from workflows.placement import PlacementManager
 
 # The main paths of SPEC §3 the recorder drives; each must stay covered.
@@ -32,6 +37,8 @@ REQUIRED = {
     "deadline_unschedulable",
     "placement_manager",
 }
+# Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
+REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}
 HISTORY_DIR = Path(__file__).parent / "histories"
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
 
@@ -47,6 +54,26 @@ def load(path: Path) -> WorkflowHistory:
 def test_every_main_path_has_a_committed_history() -> None:
     present = {p.stem for p in committed_histories()}
     assert present >= REQUIRED, f"missing histories {sorted(REQUIRED - present)} in {HISTORY_DIR}"
+    missing = REQUIRED_PRE_PATCH - present
+    assert not missing, f"missing pre-patch histories {sorted(missing)}: the unpatched path lost its check"
+
+
+def patches(path: Path) -> set[str]:
+    """The patch ids a recorded history's workflow code took."""
+    found = set()
+    for event in json.loads(path.read_text())["events"]:
+        marker = event.get("markerRecordedEventAttributes", {})
+        if marker.get("markerName") == "core_patch":
+            for payload in marker["details"]["patch-data"]["payloads"]:
+                found.add(json.loads(base64.b64decode(payload["data"]))["id"])
+    return found
+
+
+def test_pre_patch_histories_take_the_unpatched_path() -> None:
+    for path in HISTORY_DIR.glob("v1-*.json"):
+        assert LOCAL_STEPS_PATCH not in patches(path), f"{path.name} was recorded with the patch"
+    for name in REQUIRED - {"placement_manager"}:
+        assert LOCAL_STEPS_PATCH in patches(HISTORY_DIR / f"{name}.json"), f"{name} predates the patch"
 
 
 @pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)

@@ -23,7 +23,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from security_support import RESTRICTED_DOMAIN, Keys, Responses, Restricted
 from stack import Stack, wait_until
-from temporalio.worker import Worker
 
 from activities.store import manager_workflow_id
 from iris.client import AsyncIrisClient
@@ -303,7 +302,7 @@ async def own_worker(stack: Stack, cfg: FederationConfig, root: Path) -> AsyncIt
     """An in-process worker on its own task queue and store, for a variant of the federation config."""
     cfg.temporal.task_queue = f"iris-security-{uuid.uuid4().hex[:8]}"
     store = FederationStore(f"sqlite:///{root / 'federation.db'}")
-    worker: Worker = build_worker(stack.client, cfg, store)
+    worker = build_worker(stack.client, cfg, store)
     try:
         async with worker:
             await ensure_manager(stack.client, cfg)
