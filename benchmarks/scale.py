@@ -11,9 +11,9 @@ end it reads every placement tick from the manager's histories (all its runs: it
 every ``ticks_per_run`` ticks) and fetches a sample of job histories, to show per-job and
 per-manager-run history sizes and that continue-as-new keeps the manager's history bounded.
 
-On a 2-core machine the jobs reach the queue at a few per second (each runs its classification
-and enqueue first), so 10k jobs take well over 10 minutes; the default is smaller so a run finishes
-in about 10 minutes. Not a test. See docs/BENCHMARKS.md.
+On a 2-core machine the jobs reach the queue at about 12 per second (each runs its classification
+and enqueue first; measured on cf45f4f), so 10k jobs take about 14 minutes plus the settle; the
+default is smaller so a run finishes in about 6 minutes. Not a test. See docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
