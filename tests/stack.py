@@ -1,7 +1,9 @@
 """The real embedded stack for tests: Temporal dev server, emulators, controllers and a worker.
 
 Started once per test session by ``tests/conftest.py``; every service is the real one, on free
-loopback ports, with the demo topology of ``config/clusters.toml``.
+loopback ports, with the demo topology of ``config/clusters.toml`` — or, with ``backend="ray"``, of
+``config/clusters-ray.toml``: the same clusters with the GPU peers' backends on one real local Ray
+head, started and stopped with the stack (as ``iris dev --ray`` does).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 from faultproxy import FaultProxy
 from temporalio.client import Client
@@ -30,6 +33,18 @@ from iris.store import FederationStore
 from worker.main import build_worker, ensure_manager
 
 VENV_BIN = Path(sys.executable).parent
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+Backend = Literal["process", "ray"]
+# The topology of each backend choice: the same clusters, backends and ports; with "ray" the GPU
+# peers' backends run their jobs on Ray.
+CONFIGS: dict[str, Path] = {
+    "process": PROJECT_ROOT / "config" / "clusters.toml",
+    "ray": PROJECT_ROOT / "config" / "clusters-ray.toml",
+}
+# CPUs of the stack's Ray head. Each replica's entrypoint reserves its backend's ray_cpus (0.1): enough
+# for both peers' CPU slots (8 + 8) and chips (16 + 8, at most one replica each) busy at once.
+RAY_HEAD_CPUS = 4
 
 
 def free_port_config(base: FederationConfig, temporal_address: str) -> FederationConfig:
@@ -48,6 +63,15 @@ def free_port_config(base: FederationConfig, temporal_address: str) -> Federatio
     return cfg
 
 
+def on_ray_head(cfg: FederationConfig, head_address: str, gcs_address: str) -> None:
+    """Point every Ray backend of ``cfg`` at one head (in place); their resource names stay."""
+    for c in cfg.clusters:
+        for b in c.backends:
+            if b.kind == "ray":
+                b.address = head_address
+                b.gcs_address = gcs_address
+
+
 @dataclass
 class CliResult:
     code: int
@@ -60,9 +84,11 @@ class Stack:
     config: FederationConfig
     config_file: Path
     data_dir: Path
+    key_dir: Path
     client: Client
     iris: AsyncIrisClient
     store: FederationStore
+    backend: Backend = "process"
     services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
 
@@ -100,10 +126,19 @@ async def wait_until(
 
 
 class StackRunner:
-    """Starts and stops the session's stack."""
+    """Starts and stops one stack of the session.
 
-    def __init__(self, root: Path) -> None:
+    ``backend`` chooses where the GPU peers run their jobs: ``"process"`` (``config/clusters.toml``)
+    or ``"ray"`` (``config/clusters-ray.toml`` on a Ray head of this stack's own, on free ports).
+    ``key_dir`` holds the cluster keys; stacks sharing one test process must share it, since the
+    worker's activities read the key directory from ``$IRIS_KEY_DIR`` at each call.
+    """
+
+    def __init__(self, root: Path, backend: Backend = "process", *, key_dir: Path | None = None) -> None:
         self.root = root
+        self.backend = backend
+        self.key_dir = key_dir or root / "keys"
+        self.ray: devstack.ManagedProcess | None = None
         self.env: WorkflowEnvironment | None = None
         self.worker: Worker | None = None
         self.worker_task: asyncio.Task[None] | None = None
@@ -112,6 +147,15 @@ class StackRunner:
         self.proxies: dict[str, FaultProxy] = {}
 
     async def start(self) -> Stack:
+        base = load_config(CONFIGS[self.backend])
+        if self.backend == "ray":
+            # One head for both peers, its resources named per peer (as in `iris dev --ray`); GCS
+            # on a free port, never Ray's default 6379 (Redis's). It starts first: it is the slowest.
+            head_port, gcs_port = devstack.free_port(), devstack.free_port()
+            on_ray_head(base, f"http://127.0.0.1:{head_port}", f"127.0.0.1:{gcs_port}")
+            (spec,) = devstack.ray_heads_for(base)
+            self.ray = devstack.ray_head(replace(spec, num_cpus=RAY_HEAD_CPUS), self.root)
+            self.ray.start()
         self.ui_port = devstack.free_port()
         self.env = await WorkflowEnvironment.start_local(
             ui=True,
@@ -122,12 +166,12 @@ class StackRunner:
             dev_server_startup_timeout=timedelta(seconds=60),
         )
         address = self.env.client.service_client.config.target_host
-        cfg = free_port_config(load_config(), address)
+        cfg = free_port_config(base, address)
         cfg.temporal.ui_port = self.ui_port
         config_file = self.root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
         os.environ.update(devstack.object_store_env(cfg))
-        key_dir = self.root / "keys"
+        key_dir = self.key_dir
         ensure_cluster_keys(cfg, key_dir)
         os.environ[KEY_DIR_ENV] = str(key_dir)
         # Each controller listens on an internal port; the federation reaches it through a fault
@@ -141,6 +185,8 @@ class StackRunner:
                 for c in cfg.clusters
             ),
         ]
+        if self.ray is not None:
+            await asyncio.to_thread(self.ray.wait_ready, 120)
         for svc in services:
             svc.start()
             self.services.append(svc)
@@ -159,9 +205,11 @@ class StackRunner:
             config=cfg,
             config_file=config_file,
             data_dir=self.root,
+            key_dir=key_dir,
             client=self.env.client,
             iris=AsyncIrisClient(self.env.client, cfg),
             store=self.store,
+            backend=self.backend,
             services={s.name: s for s in services},
             proxies=self.proxies,
         )
@@ -179,3 +227,6 @@ class StackRunner:
             self.store.close()
         if self.env is not None:
             await self.env.shutdown()
+        if self.ray is not None:
+            # Only this stack's head, never `ray stop` (it would end every Ray on the machine).
+            await asyncio.to_thread(devstack.stop_ray_head, self.ray)

@@ -1,4 +1,7 @@
-"""A worker SIGKILLed mid-lifecycle and restarted: the job completes, handed off once (SPEC §11.1, §11.5)."""
+"""A worker SIGKILLed mid-lifecycle and restarted: the job completes, handed off once (SPEC §11.1, §11.5).
+
+Runs on both backends of the GPU peers, like the lifecycle suite: ``[process]`` and ``[ray]``.
+"""
 
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ class WorkerProcess:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(stack_per_backend: Stack) -> Stack:
+    return stack_per_backend
 
 
 @pytest.fixture

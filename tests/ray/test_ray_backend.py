@@ -7,6 +7,7 @@ and checks what it says over its API against what Ray itself says through its Jo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from ray_harness import TcpProxy, ray_backend
 from iris import devstack
 from iris.config import load_config
 from iris.controller.client import ControllerClient
-from iris.controller.executors.ray_jobs import submission_id
+from iris.controller.executors.ray_jobs import job_output, submission_id
 from iris.controller.models import ControllerJobState as S
 from iris.controller.models import JobStatus
 from iris.policy.availability import PeerStatus, peer_status
@@ -145,6 +146,32 @@ async def test_a_new_nonce_after_the_end_is_a_second_attempt(jobs_controller: Co
         final = await wait_terminal(c, first.job_id, timeout=60)
         assert final.state is S.SUCCEEDED
         assert "second" in await read_all_logs(c, first.job_id)
+
+
+def test_job_output_leaves_out_rays_own_lines() -> None:
+    sid, cmd = "alice~_x", "sh -c 'echo hi'"
+    info = b"2026-11-30 16:41:35,104\tINFO job_manager.py:581 -- Runtime env is setting up.\n"
+    banner = f"Running entrypoint for job {sid}: {cmd}\n".encode()
+    assert job_output(info + b"first\n" + banner + b"second\n", sid, cmd) == b"first\nsecond\n"
+    assert job_output(info + banner + b"first\n", sid, cmd) == b"first\n"
+    # Ray's line ends a partial line of the job's; the job's bytes join up again.
+    assert job_output(info + b"par" + banner + b"tial\n", sid, cmd) == b"partial\n"
+    # Growing logs give growing outputs: the controller's copy only ever appends.
+    whole = info + b"a\n" + banner + b"b\n"
+    outputs = [job_output(whole[: i + 1], sid, cmd) for i, c in enumerate(whole) if c == ord("\n")]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(outputs))
+    # What says why Ray could not start the job stays.
+    warning = b"2026-11-30 16:41:35,104\tWARNING job_manager.py:618 -- Failed to start supervisor actor\n"
+    assert job_output(info + warning, sid, cmd) == warning
+
+
+async def test_a_ray_jobs_log_is_its_own_output_only(jobs_controller: Controller) -> None:
+    """The same log as on the process backend: what the job wrote, none of Ray's lines."""
+    req = request(["sh", "-c", "echo first; sleep 1; echo second >&2"], gpus=1, backend_id="ray-h100")
+    async with jobs_controller.client() as c:
+        await c.launch(req)
+        assert (await wait_terminal(c, req.job_id, timeout=60)).state is S.SUCCEEDED
+        assert await read_all_logs(c, req.job_id) == "first\nsecond\n"
 
 
 async def test_terminate_stops_the_ray_job(

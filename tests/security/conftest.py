@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def keys(stack: Stack) -> Keys:
-    return Keys(stack.data_dir / "keys")
+    return Keys(stack.key_dir)
 
 
 @pytest.fixture(scope="session")

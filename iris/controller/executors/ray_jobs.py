@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -71,6 +72,28 @@ _REPLICAS_SH = (
     'IRIS_REPLICA_INDEX=$i "$@" & pids="$pids $!"; i=$((i+1)); done; '
     'rc=0; for p in $pids; do wait "$p"; c=$?; [ "$rc" -eq 0 ] && rc=$c; done; exit "$rc"'
 )
+
+
+# Ray writes lines of its own into a job's log: its job manager's timestamped INFO records (e.g.
+# "Runtime env is setting up."), written at submission, before the entrypoint starts; and its
+# supervisor's "Running entrypoint for job <id>: <entrypoint>", appended once the entrypoint has
+# started, so possibly after the job's first output. Warnings and errors (Ray failed to start the
+# job) stay: they are all the log can say about why the job never ran.
+_RAY_INFO_RECORD = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\tINFO job_manager\.py:\d+ -- [^\n]*\n")
+
+
+def job_output(ray_log: bytes, sid: str, command: str) -> bytes:
+    """A job's own output from the log Ray keeps for it: Ray's lines (above) left out, so a job's
+    log is the same whichever backend ran it.
+
+    Applied to any whole-line prefix of Ray's log it gives a prefix of what it gives for the whole
+    log, so the controller's copy can keep growing by appending.
+    """
+    data = ray_log
+    while (record := _RAY_INFO_RECORD.match(data)) is not None:
+        data = data[record.end() :]
+    # The exact line, wherever it landed (after a partial line of the job, it ends that line).
+    return data.replace(f"Running entrypoint for job {sid}: {command}\n".encode(), b"", 1)
 
 
 class RayUnreachable(Exception):
@@ -510,10 +533,10 @@ class RayBackend(Backend):
         log.info("job %s finished: %s exit_code=%s%s", job.job_id, state, code, note)
 
     def _mirror_log(self, job: JobRecord, text: str, *, final: bool) -> None:
-        """Append what Ray has beyond our copy. Ray's log only grows, so our copy is its prefix;
-        while the job runs, only whole lines, so a character split by Ray's decoding is never
-        copied."""
-        data = text.encode()
+        """Append the job's output beyond our copy. Ray's log only grows, so our copy is a prefix of
+        the job's output in it; while the job runs, only whole lines, so a character split by Ray's
+        decoding is never copied (nor a line of Ray's own not yet complete)."""
+        data = job_output(text.encode(), self._sid(job), entrypoint(job))
         if not final:
             data = data[: data.rfind(b"\n") + 1]
         path = self.log_path(job)
