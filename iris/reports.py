@@ -36,6 +36,14 @@ async def cluster_report(config: FederationConfig, cluster: str, *, timeout_s: f
         return PeerReport(peer_id=cluster, reachable=False, error=f"{exc.code}: {exc.message}")
     except ConfigError as exc:  # e.g. our signing key is unreadable: say so, never crash the tick
         return PeerReport(peer_id=cluster, reachable=False, error=str(exc))
+    if resp.cluster != cluster:
+        # Another cluster's controller at this cluster's address (a misconfiguration): its
+        # capacity is not this cluster's, so nothing may be placed on the strength of it.
+        return PeerReport(
+            peer_id=cluster,
+            reachable=False,
+            error=f"the controller at {client.base_url} answers as {resp.cluster!r}, not {cluster!r}",
+        )
     return PeerReport(
         peer_id=cluster, reachable=True, last_contact_ms=int(time.time() * 1000), backends=resp.backends
     )

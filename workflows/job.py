@@ -88,9 +88,9 @@ _HANDLE_TERMINAL: dict[JobState, HandleState] = {
     JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
 }
 CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
-# Runs started with this patch do the federation-store steps and the capacity read as local
-# activities, and upsert a search attribute only when its value changes (issue 9). Runs recorded
-# before it replay on the old path.
+# Runs started with this patch do the federation-store writes (all but the promotion CAS) as
+# local activities, and upsert a search attribute only when its value changes (issue 9). Runs
+# recorded before it replay on the old path.
 LOCAL_STEPS_PATCH = "local-store-steps-v1"
 
 _In = TypeVar("_In")
@@ -273,11 +273,11 @@ class JobWorkflow:
             workflow.upsert_search_attributes(updates)
 
     def _store_step(
-        self, method: Callable[[StoreActivities, _In], Awaitable[_Out]], arg: _In
+        self, method: Callable[[StoreActivities, _In], Awaitable[_Out]], arg: _In, *, local: bool = True
     ) -> workflow.ActivityHandle[_Out]:
         """A federation-store transaction: milliseconds on the worker's own store connection, so a
         local activity (no task-queue round trip) unless this run predates the patch."""
-        if self._local_steps:
+        if self._local_steps and local:
             return workflow.start_local_activity_method(
                 method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY
             )
@@ -338,14 +338,13 @@ class JobWorkflow:
         return result
 
     async def _lifecycle(self, spec: JobSpec) -> JobStatus:
-        if self._local_steps:
-            view = await workflow.execute_local_activity_method(
-                PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
-            )
-        else:
-            view = await workflow.execute_activity_method(
-                PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
-            )
+        # A regular activity, not a local one: the first workflow task must not hold local
+        # activities, since an Update (a cancel right after submit) accepted in that task can then
+        # be answered with a protocol message the server rejects for ever
+        # (BadUpdateWorkflowExecutionMessage, seen here about once in 250 instant cancels).
+        view = await workflow.execute_activity_method(
+            PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
+        )
         shape = spec.shape()
         decision = classify(
             shape,
@@ -432,11 +431,15 @@ class JobWorkflow:
             assert placement is not None
             self._placement = None
             # The CAS runs only while this workflow's cancellation state is clear; shielded so a
-            # Temporal cancel never abandons it half-way (the store then decides who won).
+            # Temporal cancel never abandons it half-way (the store then decides who won). Not a
+            # local activity: its answer must be in the history before the workflow task that
+            # schedules the launch, which an operator's reset of a refused handoff goes back to;
+            # a reset that re-ran the CAS against the ended handle would wait forever.
             result = await asyncio.shield(
                 self._store_step(
                     StoreActivities.promote_job,
                     PromoteInput(job_id=spec.job_id, incarnation=self._incarnation, placement=placement),
+                    local=False,
                 )
             )
             target = f"{placement.peer_id}/{placement.backend_id or '-'}"

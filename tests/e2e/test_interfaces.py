@@ -145,8 +145,11 @@ async def test_help_documents_exit_codes_and_completion() -> None:
 
 async def test_shell_completion_completes_commands() -> None:
     iris = str(Path(sys.executable).parent / "iris")
+    # Typer detects the shell from the calling process tree, as when a user runs it from bash; a
+    # test process whose ancestors hold no shell (a detached CI job) gets "Shell not supported".
+    # (The trailing command keeps bash from exec-ing iris in its place.)
     script = await asyncio.create_subprocess_exec(
-        iris, "--show-completion", "bash", stdout=asyncio.subprocess.PIPE
+        "bash", "-c", f'"{iris}" --show-completion; exit $?', stdout=asyncio.subprocess.PIPE
     )
     out, _ = await script.communicate()
     assert "_iris_completion" in out.decode()

@@ -278,14 +278,14 @@ CASES = [
         True,
         0,
     ),
+    # Another cluster's controller at this cluster's address: its capacity is not this cluster's.
     ReportCase(
         "claims-another-peer",
         body(
             backend("h100-us-east-02a", amounts={"h100": 64}, total_amounts={"h100": 64}),
             cluster="cw-us-east-02a",
         ),
-        True,
-        64,
+        reachable=False,
     ),
     ReportCase("extra-fields", body({**backend(amounts={"h100": 8}), "evil": True}), True, 8),
 ]
@@ -336,6 +336,8 @@ async def test_a_hostile_peer_never_crashes_the_tick_nor_creates_capacity(
         assert (HOSTILE in outcome.reachable) is case.reachable, outcome
         stored = next(r for r in await asyncio.to_thread(store.load_reports) if r.peer_id == HOSTILE)
         assert stored.reachable is case.reachable
+        if case.id == "claims-another-peer":
+            assert "answers as 'cw-us-east-02a', not 'cw-rno2a'" in (stored.error or ""), stored.error
         placements = [arg for _, name, arg in tick.sent if name == "place" and isinstance(arg, Placement)]
         gated = [p for p in placements if p.job_id != "hostile/cpu"]
         assert all(p.peer_id == HOSTILE for p in placements)  # everything queued is pinned to it
