@@ -34,6 +34,7 @@ from ray_harness import TcpProxy, ray_backend
 from iris import devstack
 from iris.config import load_config
 from iris.controller.client import ControllerClient
+from iris.controller.errors import Unavailable
 from iris.controller.executors.ray_jobs import job_output, submission_id
 from iris.controller.models import ControllerJobState as S
 from iris.controller.models import JobStatus
@@ -70,6 +71,14 @@ async def availability(client: ControllerClient) -> Availability:
     block = backends.backends[0].availability
     assert block is not None
     return block
+
+
+async def first_availability(client: ControllerClient) -> Availability | None:
+    """None until a new controller has read Ray once (it answers 503 "not contacted yet" before)."""
+    try:
+        return await availability(client)
+    except Unavailable:
+        return None
 
 
 async def wait_state(client: ControllerClient, job_id: str, *states: S, timeout: float = 30) -> JobStatus:
@@ -199,7 +208,13 @@ async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
     ctl = await asyncio.to_thread(controller_on, tmp_path, ray_backend(ray_head, "cap"))
     try:
         async with ctl.client() as c:
-            idle = await poll(lambda: availability(c), lambda a: a.total_amounts == {"h100": 8}, timeout=20)
+            first = await poll(
+                lambda: first_availability(c),
+                lambda a: a is not None and a.total_amounts == {"h100": 8},
+                timeout=60,
+            )
+            assert first is not None
+            idle = first
             assert idle.amounts == {"h100": 8} and idle.held_by_band == []
             # Nothing changed, so the observation is the same one (reservations stay charged to it).
             await asyncio.sleep(1.5)
