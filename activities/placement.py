@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 
 from pydantic import BaseModel
 from temporalio import activity
@@ -39,8 +38,8 @@ class TickOutcome(BaseModel):
     unreachable: list[str]
     plan_ms: float
     total_ms: float
-    # Some peer took as many placements as the per-peer cap allows while jobs were left waiting:
-    # the manager ticks again at once instead of after its interval.
+    # A waiting job was held back by a peer's per-tick cap (PlanResult.capped): the manager ticks
+    # again at once instead of after its interval.
     saturated: bool = False
 
 
@@ -112,11 +111,8 @@ class PlacementActivities:
         sends += [(p.job_id, "place", p) for p in result.placements]
         sends += [(j, "explain", reasons[j]) for j in changed]
         await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
-        per_peer = Counter(p.peer_id for p in result.placements)
-        cap = inp.max_per_peer
-        saturated = bool(result.waiting) and cap is not None and any(n >= cap for n in per_peer.values())
         return TickOutcome(
-            saturated=saturated,
+            saturated=result.capped,
             at_ms=now_ms,
             queued=len(queued),
             offered=len(offered),

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from stack import Stack, StackRunner
+from stack import Backend, Stack, StackRunner
 
 
 @pytest.fixture(scope="session")
@@ -23,22 +23,24 @@ def stack_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("keys")
 
 
-@pytest.fixture(scope="session")
-async def process_stack(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> AsyncIterator[Stack]:
-    runner = StackRunner(tmp_path_factory.mktemp("stack"), "process", key_dir=stack_keys)
+async def running_stack(root: Path, backend: Backend, key_dir: Path) -> AsyncIterator[Stack]:
+    runner = StackRunner(root, backend, key_dir=key_dir)
     try:
         yield await runner.start()
     finally:
         await runner.stop()
+
+
+@pytest.fixture(scope="session")
+async def process_stack(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> AsyncIterator[Stack]:
+    async for s in running_stack(tmp_path_factory.mktemp("stack"), "process", stack_keys):
+        yield s
 
 
 @pytest.fixture(scope="session")
 async def ray_stack(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> AsyncIterator[Stack]:
-    runner = StackRunner(tmp_path_factory.mktemp("stack-ray"), "ray", key_dir=stack_keys)
-    try:
-        yield await runner.start()
-    finally:
-        await runner.stop()
+    async for s in running_stack(tmp_path_factory.mktemp("stack-ray"), "ray", stack_keys):
+        yield s
 
 
 @pytest.fixture(scope="session")

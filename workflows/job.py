@@ -88,6 +88,7 @@ _HANDLE_TERMINAL: dict[JobState, HandleState] = {
     JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
 }
 CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
 # recorded before it replay on the old path.
@@ -95,7 +96,6 @@ LOCAL_STEPS_PATCH = "local-store-steps-v1"
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
-DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -276,7 +276,8 @@ class JobWorkflow:
         self, method: Callable[[StoreActivities, _In], Awaitable[_Out]], arg: _In, *, local: bool = True
     ) -> workflow.ActivityHandle[_Out]:
         """A federation-store transaction: milliseconds on the worker's own store connection, so a
-        local activity (no task-queue round trip) unless this run predates the patch."""
+        local activity (no task-queue round trip) unless this run predates the patch or the step
+        must be recorded in a workflow task of its own (``local=False``)."""
         if self._local_steps and local:
             return workflow.start_local_activity_method(
                 method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY

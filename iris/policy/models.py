@@ -264,3 +264,10 @@ class PlanResult(BaseModel):
 
     def placement_for(self, job_id: str) -> Placement | None:
         return next((p for p in self.placements if p.job_id == job_id), None)
+
+    @property
+    def capped(self) -> bool:
+        """Some waiting job was held back by a peer's per-tick cap, so another tick may place more.
+
+        The cap is reported ahead of fullness for a capped peer, so it may also place nothing."""
+        return any(v.kind is WaitKind.PER_TICK_CAP for group in self.waiting for v in group.verdicts)

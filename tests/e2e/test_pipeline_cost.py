@@ -24,7 +24,10 @@ BACKENDS = "GET /v1/backends"
 
 
 async def history_of(stack: Stack, job_id: str) -> WorkflowHistory:
-    return await stack.client.get_workflow_handle(workflow_id(job_id)).fetch_history()
+    """The closed run's whole history (the status turns terminal before the last store write)."""
+    handle = stack.client.get_workflow_handle(workflow_id(job_id))
+    await handle.result()
+    return await handle.fetch_history()
 
 
 def decoded(payloads: object) -> list[object]:

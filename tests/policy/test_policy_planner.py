@@ -333,6 +333,14 @@ class TestCapAndExpiry:
         result = tick(jobs, HOME_CPU, peer("a", h100("b", 64)), peer("c", h100("b", 64)), cap=1)
         assert where(result) == {"j0": ("a", "b"), "j1": ("c", "b")}
 
+    def test_capped_says_whether_the_cap_held_a_job_back(self) -> None:
+        jobs = [job(f"j{i}", count=1, submit_ms=i) for i in range(3)]
+        assert tick(jobs, HOME_CPU, peer("cw", h100("b", 64)), cap=2).capped
+        assert not tick(jobs, HOME_CPU, peer("cw", h100("b", 64)), cap=3).capped
+        # Waiting for capacity with no cap reached: not capped.
+        full = [job("a", count=8, submit_ms=0), job("b", count=8, submit_ms=1)]
+        assert not tick(full, HOME_CPU, peer("cw", h100("b", 8)), cap=2).capped
+
     def test_expired_jobs_are_returned_and_never_placed(self) -> None:
         jobs = [job("old", deadline_ms=NOW), job("fresh", deadline_ms=NOW + 1)]
         result = tick(jobs, HOME_CPU, peer("cw", h100("b", 64)))
