@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.errordetails.v1 import WorkflowNotReadyFailure
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.client import (
     Client,
@@ -42,6 +43,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from iris.config import ConfigError, FederationConfig, load_config
 from iris.controller.models import LogChunk, validate_job_id
 from iris.jobs import (
+    CANCELLED_BEFORE_HANDOFF,
     JOB_WORKFLOW_TYPE,
     SA_BAND,
     SA_DEVICE_VARIANT,
@@ -73,6 +75,11 @@ MAX_COMMAND_BYTES = 64 * 1024
 MAX_COMMAND_ARGS = 4096
 MAX_USER_CHARS = 256
 MAX_ARTIFACTS = 1024
+# An Update whose workflow task the server failed (e.g. a signal landed while the task completed
+# the run: UNHANDLED_COMMAND) was never accepted; it is sent again, with the same update id.
+UPDATE_ATTEMPTS = 6
+UPDATE_RETRY_FIRST_S = 0.1
+UPDATE_RETRY_MAX_S = 2.0
 MAX_ATTRIBUTE_CHARS = 128
 _ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -259,6 +266,31 @@ def build_spec(
     )
 
 
+def workflow_not_ready(exc: RPCError) -> bool:
+    """The server dropped an Update because the workflow task carrying it failed (not durable)."""
+    if exc.status != RPCStatusCode.FAILED_PRECONDITION:
+        return False
+    details = exc.grpc_status.details
+    return any(d.Is(WorkflowNotReadyFailure.DESCRIPTOR) for d in details)
+
+
+async def execute_update(handle: WorkflowHandle[Any, Any], name: str, arg: Any, result_type: type[T]) -> T:
+    """``handle.execute_update``, sent again while the server answers that the workflow task that
+    carried it failed: such an Update was never accepted, and its handler runs only once accepted."""
+    update_id = f"{name}/{uuid.uuid4()}"
+    delay = UPDATE_RETRY_FIRST_S
+    for attempt in range(1, UPDATE_ATTEMPTS + 1):
+        try:
+            result: T = await handle.execute_update(name, arg, id=update_id, result_type=result_type)
+            return result
+        except RPCError as exc:
+            if attempt == UPDATE_ATTEMPTS or not workflow_not_ready(exc):
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, UPDATE_RETRY_MAX_S)
+    raise AssertionError("unreachable")
+
+
 def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
@@ -353,15 +385,16 @@ class AsyncIrisClient:
     async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
         try:
-            outcome: CancelOutcome = await self._handle(job_id).execute_update(
-                "cancel_job", CancelRequest(reason=reason), result_type=CancelOutcome
+            return await execute_update(
+                self._handle(job_id), "cancel_job", CancelRequest(reason=reason), CancelOutcome
             )
-            return outcome
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 status = await self.describe(job_id)
+                won = status.state is JobState.KILLED and status.reason == CANCELLED_BEFORE_HANDOFF
+                never = "; never delivered" if won else ""
                 return CancelOutcome(
-                    won=False, state=status.state, message=f"job already ended as {status.state}"
+                    won=won, state=status.state, message=f"job already ended as {status.state.value}{never}"
                 )
             raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
 
@@ -414,13 +447,15 @@ class AsyncIrisClient:
                     "HANDOFF_FAILED or closed as HANDOFF_REJECTED"
                 )
             try:
-                message: str = await handle.execute_update(
-                    "replay_handoff",
-                    ReplayRequest(peer=peer, requeue=requeue, reason=reason),
-                    result_type=str,
+                message = await execute_update(
+                    handle, "replay_handoff", ReplayRequest(peer=peer, requeue=requeue, reason=reason), str
                 )
             except WorkflowUpdateFailedError as exc:
                 raise InvalidJob(str(exc.cause or exc)) from None
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:
+                    raise InvalidJob(f"job {job_id} ended while the replay was being sent") from None
+                raise Unavailable(f"cannot replay {job_id}: {exc.message}") from None
             return message
         if status.state is not JobState.HANDOFF_REJECTED:
             raise InvalidJob(

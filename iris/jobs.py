@@ -177,8 +177,12 @@ class ReplayRequest(BaseModel):
         return f"{where} ({self.reason})"
 
 
+# The reason of a job killed before any cluster received it: a cancel that won.
+CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+
+
 class CancelOutcome(BaseModel):
-    """Whether a cancel won the race against handoff, and what it did."""
+    """Whether a cancel won the race against handoff (the job was never delivered), and what it did."""
 
     won: bool
     state: JobState

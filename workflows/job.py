@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.jobs import (
+        CANCELLED_BEFORE_HANDOFF,
         SA_PEER,
         SA_STATE,
         CancelOutcome,
@@ -87,7 +88,6 @@ _HANDLE_TERMINAL: dict[JobState, HandleState] = {
     JobState.UNSCHEDULABLE: HandleState.UNSCHEDULABLE,
     JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
 }
-CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
@@ -187,7 +187,13 @@ class JobWorkflow:
         """Cancel, and say whether the cancel won: won = the job was never delivered to a cluster."""
         st = self.status()
         if st.terminal:
-            return CancelOutcome(won=False, state=st.state, message=f"job already ended as {st.state.value}")
+            # A repeated cancel (a client retrying one whose workflow task failed) still learns
+            # whether the job was never delivered.
+            won = st.state is JobState.KILLED and not self._delivered
+            never = "; never delivered" if won else ""
+            return CancelOutcome(
+                won=won, state=st.state, message=f"job already ended as {st.state.value}{never}"
+            )
         self._request_cancel(request)
         await workflow.wait_condition(lambda: self._delivered or self.status().terminal)
         st = self.status()

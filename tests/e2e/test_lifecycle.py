@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 
 import boto3
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from stack import Stack, wait_until
+from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 
 from iris.client import JobNotFound
 from iris.controller.client import ControllerClient
 from iris.controller.errors import NotFound
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.jobs import JobState, JobStatus
-from iris.store.models import HandleState
+from iris.store.models import CancelResult, HandleState
 
 H100 = {"device_type": "h100", "gpu_count": 8}
 
@@ -234,6 +236,53 @@ async def test_cancel_racing_promotion_never_delivers_a_cancelled_job(stack: Sta
             if final.state is JobState.KILLED and peer_view is not None:
                 assert peer_view.terminal and peer_view.attempts == 1
     assert outcomes["won"] > 0
+
+
+async def test_a_cancel_whose_workflow_task_the_server_failed_is_sent_again(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal landing while the task carrying the cancel Update completes the run makes the server
+    fail that task (UNHANDLED_COMMAND) and drop the Update unaccepted; the client sends it again."""
+    job_id = await stack.iris.submit(["true"], name="cancel-unhandled", replicas=3, **H100)  # waits
+    await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
+    entered, release = threading.Event(), threading.Event()
+    record_cancel = stack.store.record_cancel
+
+    def held_first_time(job: str, reason: str) -> CancelResult:
+        if job == job_id and not entered.is_set():
+            entered.set()  # the task carrying the Update is open, running this step
+            release.wait(30)
+        return record_cancel(job, reason)
+
+    async def step_started() -> bool:
+        return entered.is_set()
+
+    monkeypatch.setattr(stack.store, "record_cancel", held_first_time)
+    cancel = asyncio.create_task(stack.iris.cancel_and_report(job_id))
+    try:
+        await wait_until(step_started, what="the cancel step to start")
+        await stack.client.get_workflow_handle(job_id).signal("explain", "a tick's reason, mid-task")
+    finally:
+        release.set()
+    outcome = await asyncio.wait_for(cancel, 60)
+    assert outcome.won and outcome.state is JobState.KILLED, outcome
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    failed = [e for e in history.events if e.HasField("workflow_task_failed_event_attributes")]
+    assert [e.workflow_task_failed_event_attributes.cause for e in failed] == [
+        WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND
+    ]
+    assert await where(stack, job_id) == []
+    # Asked again once the job has ended, the answer is the same: never delivered.
+    await stack.iris.wait(job_id, timeout_s=30)
+    again = await stack.iris.cancel_and_report(job_id)
+    assert again.won and again.state is JobState.KILLED and "never delivered" in again.message
+
+
+async def test_cancelling_a_job_that_ran_reports_it_lost(stack: Stack) -> None:
+    job_id = await stack.iris.submit(["true"], name="ran-then-cancelled", target_cluster="cw-rno2a")
+    assert (await stack.iris.wait(job_id, timeout_s=60)).state is JobState.SUCCEEDED
+    outcome = await stack.iris.cancel_and_report(job_id)
+    assert not outcome.won and outcome.state is JobState.SUCCEEDED, outcome
 
 
 async def test_cancel_recorded_in_the_store_before_promotion_wins_the_cas(stack: Stack) -> None:
