@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from stack import Backend, Stack, StackRunner
 
+pytest_plugins = ["graceful"]
+
 
 @pytest.fixture(scope="session")
 def stack_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
