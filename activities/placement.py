@@ -7,7 +7,9 @@ are sent from here, concurrently, instead of one workflow command each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 from temporalio import activity
@@ -18,6 +20,28 @@ from iris.policy import plan_request
 from iris.policy.models import Placement, PlanRequest
 from iris.reports import gather_reports
 from iris.store import FederationStore
+
+# The tick heartbeats this often; the manager's heartbeat timeout (a few of these) is how soon a
+# tick lost with its worker is retried, instead of after the whole start-to-close timeout.
+HEARTBEAT_EVERY_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None]:
+    """Heartbeat while the body runs (a tick waits on the store and on every controller)."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every_s)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class TickInput(BaseModel):
@@ -77,6 +101,10 @@ class PlacementActivities:
 
     @activity.defn
     async def placement_tick(self, inp: TickInput) -> TickOutcome:
+        async with heartbeating():
+            return await self._tick(inp)
+
+    async def _tick(self, inp: TickInput) -> TickOutcome:
         started = time.perf_counter()
         view = await gather_reports(self._config)
         store = self._store

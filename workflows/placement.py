@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
 
 # A tick that hit the per-peer cap with jobs left waiting is followed at once by another.
 RETICK_PATCH = "retick-when-saturated-v1"
+TICK_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
 
 
 class ManagerInput(BaseModel):
@@ -56,6 +57,8 @@ class PlacementManager:
                     PlacementActivities.placement_tick,
                     TickInput(max_per_peer=inp.max_per_peer),
                     start_to_close_timeout=timedelta(seconds=30),
+                    # A tick lost with its worker is retried after this, not after 30 s.
+                    heartbeat_timeout=TICK_HEARTBEAT_TIMEOUT,
                     retry_policy=RetryPolicy(maximum_attempts=2),
                 )
             except ActivityError as exc:

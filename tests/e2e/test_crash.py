@@ -5,13 +5,17 @@ Runs on both backends of the GPU peers, like the lifecycle suite: ``[process]`` 
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from stack import Stack, wait_until
+from temporalio.api.enums.v1 import PendingActivityState, TimeoutType
+from temporalio.service import RPCError
 
+from activities.store import manager_workflow_id
 from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig
@@ -107,3 +111,57 @@ async def test_worker_killed_while_mirroring_and_while_queued_loses_nothing(
     assert later.state is JobState.SUCCEEDED, later.reason
     assert later.cluster is not None
     assert await _handoffs(stack, later.cluster, queued) == 1
+
+
+@pytest.mark.timeout(240)
+async def test_a_tick_lost_with_its_worker_is_retried_on_its_heartbeat_timeout(
+    stack: Stack, own_worker: tuple[WorkerProcess, AsyncIrisClient], tmp_path: Path
+) -> None:
+    """Not after the tick's whole start-to-close timeout: the next tick is seconds away, not 30."""
+    worker, iris = own_worker
+    manager = stack.client.get_workflow_handle(manager_workflow_id(iris.config.temporal.task_queue))
+
+    async def tick_in_flight() -> str | None:
+        desc = await manager.describe()
+        pending = desc.raw_description.pending_activities
+        started = PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+        return desc.run_id if any(a.state == started for a in pending) else None
+
+    async def ticked() -> bool:
+        try:
+            return await manager.query("last_tick") is not None
+        except RPCError:  # the worker has not started its manager yet
+            return False
+
+    await wait_until(ticked, timeout=60, what="the worker's first placement tick")
+    # The tick's first step writes the reports: a writer holding the worker's store stalls it there.
+    lock = sqlite3.connect(tmp_path / "federation.db", timeout=30, isolation_level=None)
+    try:
+        lock.execute("BEGIN IMMEDIATE")
+        run_id: str | None = None
+
+        async def stalled() -> bool:
+            nonlocal run_id
+            run_id = await tick_in_flight()
+            return run_id is not None
+
+        await wait_until(stalled, timeout=60, what="a placement tick stalled on the store")
+        worker.kill()
+        worker.start()
+    finally:
+        lock.rollback()
+        lock.close()
+    job_id = await iris.submit(["echo", "placed"], name="crash-tick", device_type="h100", gpu_count=8)
+    final = await iris.wait(job_id, timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    # The retried attempt records why the first one ended: its heartbeat stopped.
+    history = await stack.client.get_workflow_handle(manager.id, run_id=run_id).fetch_history()
+    retried = [
+        e.activity_task_started_event_attributes
+        for e in history.events
+        if e.HasField("activity_task_started_event_attributes")
+        and e.activity_task_started_event_attributes.attempt > 1
+    ]
+    assert retried, "the stalled tick was not retried in that run"
+    timeout = retried[0].last_failure.timeout_failure_info
+    assert timeout.timeout_type == TimeoutType.TIMEOUT_TYPE_HEARTBEAT, retried[0].last_failure
