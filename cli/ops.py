@@ -44,10 +44,14 @@ def replayer() -> Replayer:
     """
     from workflows.job import JobWorkflow
     from workflows.placement import PlacementManager
+    from workflows.runner import workflow_runner
 
     quiet = Runtime(telemetry=TelemetryConfig(logging=None))
     return Replayer(
-        workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter, runtime=quiet
+        workflows=[JobWorkflow, PlacementManager],
+        data_converter=pydantic_data_converter,
+        runtime=quiet,
+        workflow_runner=workflow_runner(),
     )
 
 

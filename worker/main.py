@@ -20,6 +20,7 @@ from iris.temporal import connect
 from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
+from workflows.runner import workflow_runner
 
 
 class FederationWorker:
@@ -84,6 +85,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
             artifacts.check_artifacts,
         ],
         max_concurrent_activities=200,
+        workflow_runner=workflow_runner(),
     )
     ticks = Worker(
         client,
@@ -91,6 +93,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         workflows=[PlacementManager],
         activities=[placement.placement_tick],
         max_concurrent_activities=4,
+        workflow_runner=workflow_runner(),
     )
     return FederationWorker(jobs, ticks)
 

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import timedelta
+from types import MappingProxyType
 from typing import TypeVar
 
 from temporalio import workflow
@@ -73,21 +74,26 @@ _HANDOFF_RETRY = RetryPolicy(
 )
 _MIRROR_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
-_MIRRORED: dict[ControllerJobState, JobState] = {
-    ControllerJobState.PENDING: JobState.PENDING,
-    ControllerJobState.RUNNING: JobState.RUNNING,
-    ControllerJobState.SUCCEEDED: JobState.SUCCEEDED,
-    ControllerJobState.FAILED: JobState.FAILED,
-    ControllerJobState.KILLED: JobState.KILLED,
-    ControllerJobState.WORKER_FAILED: JobState.FAILED,
-}
-_HANDLE_TERMINAL: dict[JobState, HandleState] = {
-    JobState.SUCCEEDED: HandleState.SUCCEEDED,
-    JobState.FAILED: HandleState.FAILED,
-    JobState.KILLED: HandleState.KILLED,
-    JobState.UNSCHEDULABLE: HandleState.UNSCHEDULABLE,
-    JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
-}
+# Read-only: this module is imported once, not per run (workflows/runner.py).
+_MIRRORED: Mapping[ControllerJobState, JobState] = MappingProxyType(
+    {
+        ControllerJobState.PENDING: JobState.PENDING,
+        ControllerJobState.RUNNING: JobState.RUNNING,
+        ControllerJobState.SUCCEEDED: JobState.SUCCEEDED,
+        ControllerJobState.FAILED: JobState.FAILED,
+        ControllerJobState.KILLED: JobState.KILLED,
+        ControllerJobState.WORKER_FAILED: JobState.FAILED,
+    }
+)
+_HANDLE_TERMINAL: Mapping[JobState, HandleState] = MappingProxyType(
+    {
+        JobState.SUCCEEDED: HandleState.SUCCEEDED,
+        JobState.FAILED: HandleState.FAILED,
+        JobState.KILLED: HandleState.KILLED,
+        JobState.UNSCHEDULABLE: HandleState.UNSCHEDULABLE,
+        JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
+    }
+)
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
@@ -723,4 +729,4 @@ class JobWorkflow:
         return status
 
 
-__all__ = ["JobWorkflow"]
+__all__ = ("JobWorkflow",)

@@ -24,6 +24,7 @@ from temporalio.worker import Replayer
 from cli.ops import replay_histories, workflow_type_of
 from workflows.job import LOCAL_STEPS_PATCH, JobWorkflow
 from workflows.placement import PlacementManager
+from workflows.runner import workflow_runner
 
 # The main paths of SPEC §3 the recorder drives; each must stay covered.
 REQUIRED = {
@@ -79,7 +80,11 @@ def test_pre_patch_histories_take_the_unpatched_path() -> None:
 @pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)
 async def test_committed_history_replays_against_the_current_code(path: Path) -> None:
     history = load(path)
-    replayer = Replayer(workflows=[JobWorkflow, PlacementManager], data_converter=pydantic_data_converter)
+    replayer = Replayer(
+        workflows=[JobWorkflow, PlacementManager],
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
     assert result.replay_failure is None, (
         f"{path.name} no longer replays: {result.replay_failure}; {REGENERATE}"
