@@ -41,7 +41,7 @@ from temporalio.worker import Worker
 from activities.artifacts import ArtifactInput, ArtifactReport
 from activities.peers import LaunchInput, MirrorInput, TerminateInput
 from activities.store import EnqueueInput, PromoteInput, StoreActivities
-from iris.client import build_spec
+from iris.client import build_spec, execute_update
 from iris.controller.models import ControllerJobState
 from iris.controller.models import JobStatus as PeerJobStatus
 from iris.jobs import JOB_WORKFLOW_TYPE, CancelOutcome, CancelRequest, JobState, JobStatus
@@ -257,8 +257,9 @@ class Race:
         await asyncio.sleep(self.rng.uniform(0, 0.012))
         try:
             if o.method == "update":
-                o.update = await handle.execute_update(
-                    "cancel_job", CancelRequest(reason="race"), result_type=CancelOutcome
+                # As the CLI sends it: again if the server dropped it with a failed workflow task.
+                o.update = await execute_update(
+                    handle, "cancel_job", CancelRequest(reason="race"), CancelOutcome
                 )
             elif o.method == "signal":
                 await handle.signal("cancel", CancelRequest(reason="race"))
