@@ -75,12 +75,12 @@ MAX_COMMAND_BYTES = 64 * 1024
 MAX_COMMAND_ARGS = 4096
 MAX_USER_CHARS = 256
 MAX_ARTIFACTS = 1024
+MAX_ATTRIBUTE_CHARS = 128
 # An Update whose workflow task the server failed (e.g. a signal landed while the task completed
 # the run: UNHANDLED_COMMAND) was never accepted; it is sent again, with the same update id.
 UPDATE_ATTEMPTS = 6
 UPDATE_RETRY_FIRST_S = 0.1
 UPDATE_RETRY_MAX_S = 2.0
-MAX_ATTRIBUTE_CHARS = 128
 _ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
