@@ -22,6 +22,9 @@ class FederationView(BaseModel):
     # When the reports were read: staleness is judged at that instant, not when a (possibly
     # delayed) workflow task gets to look at them.
     fetched_ms: int | None = None
+    # The configured backends of each cluster that did not answer: classification still counts
+    # their shapes (the job waits for them), the tick never places there.
+    configured: dict[str, list[BackendReport]] = {}
 
     def report(self, cluster: str) -> PeerReport | None:
         return next((r for r in self.reports if r.peer_id == cluster), None)
@@ -59,7 +62,18 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
         stale_after_ms=config.stale_after_ms,
         reports=list(reports),
         fetched_ms=int(time.time() * 1000),
+        configured={r.peer_id: configured_backends(config, r.peer_id) for r in reports if not r.reachable},
     )
+
+
+def configured_backends(config: FederationConfig, cluster: str) -> list[BackendReport]:
+    """A cluster's backends as the federation config declares them: shapes only, no capacity."""
+    return [
+        BackendReport(backend_id=b.id, advertised_attributes=b.attributes)
+        for c in config.clusters
+        if c.name == cluster
+        for b in c.backends
+    ]
 
 
 def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
@@ -74,7 +88,7 @@ def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
             peer_id=c.name,
             reachable=True,
             last_contact_ms=now_ms,
-            backends=[BackendReport(backend_id=b.id, advertised_attributes=b.attributes) for b in c.backends],
+            backends=configured_backends(config, c.name),
         )
         for c in config.clusters
     ]

@@ -24,6 +24,8 @@ class FaultProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")
         self.fail_launches = 0
+        # While set, every request is answered 503: the controller is down as the federation sees it.
+        self.down = False
         self.refused_launches = 0
         self.forwarded_launches = 0
         # Requests seen, by "METHOD /path" (query string left out).
@@ -51,9 +53,10 @@ class FaultProxy:
                 break
         self.requests[f"{scope['method']} {scope['path']}"] += 1
         is_launch = scope["method"] == "POST" and scope["path"] == "/v1/jobs"
-        if is_launch and self.fail_launches > 0:
-            self.fail_launches -= 1
-            self.refused_launches += 1
+        if self.down or (is_launch and self.fail_launches > 0):
+            if is_launch and not self.down:
+                self.fail_launches -= 1
+                self.refused_launches += 1
             payload = b'{"code":"UNAVAILABLE","message":"injected outage"}'
             await send(
                 {

@@ -367,6 +367,7 @@ class JobWorkflow:
             # not turn fresh reports stale and reject a job the federation can run.
             now_ms=view.fetched_ms if view.fetched_ms is not None else self._now_ms(),
             stale_after_ms=view.stale_after_ms,
+            configured=view.configured,
         )
         self._clusters = [r.peer_id for r in view.reports]
         st = self._status

@@ -4,11 +4,16 @@ In order: an explicit pin wins; then prefer-local when a home backend has the ca
 then queue (unpinned) when any home backend or reachable peer backend has the job's shape; else
 reject, naming the constraint nothing in the federation satisfies. The home cluster is still a
 candidate of the queue, so a job that found home full runs there as soon as home frees up.
+
+A cluster that is unreachable or stale at submit hosts nothing, but its backends still exist
+(its last report's, or as configured): a job only such a cluster can run is queued, and waits for
+it, rather than rejected because a controller was restarting (SPEC §4 rejects a shape that no
+backend anywhere has).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from iris.policy.availability import PeerStatus, gate, peer_status, working_capacity
 from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
@@ -120,8 +125,14 @@ def classify(
     now_ms: int,
     stale_after_ms: int,
     reservations: Sequence[Reservation] = (),
+    configured: Mapping[str, Sequence[BackendReport]] | None = None,
 ) -> Classification:
-    """Classify a root job at submit (SPEC §4); ``reports`` has one entry per cluster, home included."""
+    """Classify a root job at submit (SPEC §4); ``reports`` has one entry per cluster, home included.
+
+    ``configured`` holds clusters' backends as configured, used only for a cluster whose live report
+    is not OK (it says which shapes exist there, never what is free).
+    """
+    configured = configured or {}
     by_id = {r.peer_id: r for r in reports}
     known = sorted(by_id)
 
@@ -160,8 +171,10 @@ def classify(
             why_not_home = f"home cluster {home} is {home_status.value}"
 
     # Home backends count whatever home's state: the job waits for home to come back or free up.
-    candidates: list[BackendReport] = list(home_report.backends) if home_report is not None else []
+    candidates: list[BackendReport] = _known_backends(home_report, configured) if home_report else []
     skipped: list[str] = []
+    # Peers not OK now, with the backends they are known to have: they may host the job later.
+    absent: list[tuple[str, list[BackendReport]]] = []
     for report in sorted(reports, key=lambda r: r.peer_id):
         if report.peer_id == home:
             continue
@@ -170,10 +183,25 @@ def classify(
             candidates.extend(report.backends)
         else:
             skipped.append(f"{report.peer_id} {status.value}")
+            absent.append((f"{report.peer_id} {status.value}", _known_backends(report, configured)))
 
     if any(matches(constraints, b.advertised_attributes) for b in candidates):
         reason = QUEUED_REASON + (f" ({why_not_home})" if why_not_home else "")
         return Classification(disposition=Disposition.QUEUE, reason=reason)
+    waiting_for = [
+        name for name, known in absent if any(matches(constraints, b.advertised_attributes) for b in known)
+    ]
+    if waiting_for:
+        reason = f"{QUEUED_REASON} (only {', '.join(waiting_for)} can run it)"
+        return Classification(disposition=Disposition.QUEUE, reason=reason)
+    known_anywhere = candidates + [b for _, known in absent for b in known]
     return Classification(
-        disposition=Disposition.REJECT, reason=_reject_reason(constraints, candidates, skipped)
+        disposition=Disposition.REJECT, reason=_reject_reason(constraints, known_anywhere, skipped)
     )
+
+
+def _known_backends(
+    report: PeerReport, configured: Mapping[str, Sequence[BackendReport]]
+) -> list[BackendReport]:
+    """A cluster's backends: from its report, else (unreachable: the report has none) as configured."""
+    return list(report.backends) if report.backends else list(configured.get(report.peer_id, ()))

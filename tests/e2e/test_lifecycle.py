@@ -170,6 +170,36 @@ async def test_peer_down_during_handoff_is_retried_and_delivered_exactly_once(st
     assert [e.state for e in final.events].count(JobState.HANDED_OFF) == 1
 
 
+async def test_a_job_only_unreachable_peers_can_run_waits_for_them_instead_of_being_rejected(
+    stack: Stack,
+) -> None:
+    """Both GPU peers' controllers down at submit: their backends still exist (SPEC §4)."""
+    gpu_peers = ("cw-rno2a", "cw-us-east-02a")
+
+    async def both_down() -> bool:
+        view = await stack.iris.peers()
+        return all(not r.reachable for r in view.reports if r.peer_id in gpu_peers)
+
+    try:
+        for name in gpu_peers:
+            stack.proxies[name].down = True
+        await wait_until(both_down, timeout=30, what="both GPU peers to be reported unreachable")
+        job_id = await stack.iris.submit(
+            ["echo", "waited"], name="peers-down", device_type="h100", gpu_count=8
+        )
+        queued = await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
+        assert queued.disposition == "queue"
+        assert (
+            "only cw-rno2a unreachable, cw-us-east-02a unreachable can run it" in queued.classification_reason
+        )
+    finally:
+        for name in gpu_peers:
+            stack.proxies[name].down = False
+    final = await stack.iris.wait(job_id, timeout_s=90)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert final.cluster in gpu_peers
+
+
 async def test_deadline_makes_a_job_unschedulable_and_it_is_never_promoted(stack: Stack) -> None:
     # 3 × 8 H100 on one backend: no backend has 24, so it can only wait — until its deadline.
     job_id = await stack.iris.submit(["true"], name="too-big", replicas=3, scheduling_timeout_s=2, **H100)

@@ -148,20 +148,56 @@ class TestQueueAndReject:
         assert result.disposition is Disposition.REJECT
         assert result.reason == "no backend in the federation satisfies device-type=tpu"
 
-    def test_reject_when_the_only_matching_peer_is_unreachable(self) -> None:
+    def test_queue_when_the_only_matching_peer_is_unreachable(self) -> None:
+        # Its backend still exists (SPEC §4 rejects only a shape no backend anywhere has): the job
+        # waits for it instead of being rejected while its controller restarts.
         down = peer("cw-us-east-02a", h100("h100-east", 16), reachable=False)
         result = run(job(), HOME_CPU, down)
-        assert result.disposition is Disposition.REJECT
+        assert result.disposition is Disposition.QUEUE
         assert result.reason == (
-            "no backend in the federation satisfies device-type=gpu"
-            " (not considered: cw-us-east-02a unreachable)"
+            "Queued for a federation peer to report free capacity"
+            " (only cw-us-east-02a unreachable can run it)"
         )
 
-    def test_reject_when_the_only_matching_peer_is_stale(self) -> None:
+    def test_queue_when_the_only_matching_peer_is_stale(self) -> None:
         stale = peer("cw-us-east-02a", h100("h100-east", 16), last_contact_ms=NOW - STALE - 1)
         result = run(job(), HOME_CPU, stale)
+        assert result.disposition is Disposition.QUEUE
+        assert "only cw-us-east-02a stale can run it" in result.reason
+
+    def test_an_unreachable_peer_reports_no_backends_its_configured_ones_count(self) -> None:
+        down = peer("cw-us-east-02a", reachable=False)  # what a failed poll yields: no backends
+        assert run(job(), HOME_CPU, down).disposition is Disposition.REJECT
+        configured = {"cw-us-east-02a": [h100("h100-east", 0)], "cw-other": [h100("x", 8)]}
+        result = classify(
+            job(),
+            home="marin",
+            reports=[HOME_CPU, down],
+            now_ms=NOW,
+            stale_after_ms=STALE,
+            configured=configured,
+        )
+        assert result.disposition is Disposition.QUEUE
+        assert "only cw-us-east-02a unreachable can run it" in result.reason
+
+    def test_configured_backends_never_replace_a_live_report(self) -> None:
+        # A reachable peer's own report is the truth about its shapes, whatever the config says.
+        configured = {"cw-us-east-02a": [h100("h100-east", 16)]}
+        live_cpu_only = peer("cw-us-east-02a", cpu_backend("c"))
+        result = classify(
+            job(), home="marin", reports=[HOME_CPU, live_cpu_only], now_ms=NOW, stale_after_ms=STALE,
+            configured=configured,
+        )  # fmt: skip
         assert result.disposition is Disposition.REJECT
-        assert "cw-us-east-02a stale" in result.reason
+
+    def test_reject_when_an_unreachable_peer_has_no_such_shape_either(self) -> None:
+        down = peer("cw-us-east-02a", h100("h100-east", 16), reachable=False)
+        result = run(job(variant="tpu-v5p", device_type="tpu", count=0), HOME_CPU, down)
+        assert result.disposition is Disposition.REJECT
+        assert result.reason == (
+            "no backend in the federation satisfies device-type=tpu"
+            " (not considered: cw-us-east-02a unreachable)"
+        )
 
     def test_reject_names_combination_when_each_constraint_exists_somewhere(self) -> None:
         east = peer("cw-east", backend("h", gpu_attrs("h100", region="us-east"), free={"h100": 8}))

@@ -303,13 +303,10 @@ def test_classification_is_consistent_with_reports(s: Scenario) -> None:
                 assert result.disposition is expected
             continue
         home = next(r for r in reports if r.peer_id == HOME)
-        considered = list(home.backends) + [
-            b
-            for r in reports
-            if r.peer_id != HOME and peer_status(r, NOW, STALE) is PeerStatus.OK
-            for b in r.backends
-        ]
-        can_host = any(matches(job_constraints(job), b.advertised_attributes) for b in considered)
+        # Rejected exactly when no backend anywhere has the shape (SPEC §4): one on a cluster that
+        # is unreachable or stale now still exists, and the job waits for it.
+        known = [b for r in reports for b in r.backends]
+        can_host = any(matches(job_constraints(job), b.advertised_attributes) for b in known)
         assert (result.disposition is Disposition.REJECT) == (not can_host)
         if result.disposition is Disposition.LOCAL:
             assert peer_status(home, NOW, STALE) is PeerStatus.OK
