@@ -43,7 +43,6 @@ from temporalio.service import RPCError, RPCStatusCode
 from iris.config import ConfigError, FederationConfig, load_config
 from iris.controller.models import LogChunk, validate_job_id
 from iris.jobs import (
-    CANCELLED_BEFORE_HANDOFF,
     JOB_WORKFLOW_TYPE,
     SA_BAND,
     SA_DEVICE_VARIANT,
@@ -279,7 +278,8 @@ async def execute_update(handle: WorkflowHandle[Any, Any], name: str, arg: Any, 
     carried it failed: such an Update was never accepted, and its handler runs only once accepted."""
     update_id = f"{name}/{uuid.uuid4()}"
     delay = UPDATE_RETRY_FIRST_S
-    for attempt in range(1, UPDATE_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         try:
             result: T = await handle.execute_update(name, arg, id=update_id, result_type=result_type)
             return result
@@ -287,8 +287,8 @@ async def execute_update(handle: WorkflowHandle[Any, Any], name: str, arg: Any, 
             if attempt == UPDATE_ATTEMPTS or not workflow_not_ready(exc):
                 raise
         await asyncio.sleep(delay)
+        attempt += 1
         delay = min(delay * 2, UPDATE_RETRY_MAX_S)
-    raise AssertionError("unreachable")
 
 
 def _quote(value: str) -> str:
@@ -390,12 +390,7 @@ class AsyncIrisClient:
             )
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
-                status = await self.describe(job_id)
-                won = status.state is JobState.KILLED and status.reason == CANCELLED_BEFORE_HANDOFF
-                never = "; never delivered" if won else ""
-                return CancelOutcome(
-                    won=won, state=status.state, message=f"job already ended as {status.state.value}{never}"
-                )
+                return (await self.describe(job_id)).ended_cancel_outcome()
             raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
 
     async def peers(self) -> FederationView:

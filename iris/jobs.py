@@ -150,6 +150,15 @@ class JobStatus(BaseModel):
     def terminal(self) -> bool:
         return self.state.terminal
 
+    def ended_cancel_outcome(self) -> CancelOutcome:
+        """What a cancel of this ended job answers: won when it was killed before any cluster
+        received it (a cancel that arrives again, or late, still learns that)."""
+        won = self.state is JobState.KILLED and self.handoff_attempts == 0
+        never = "; never delivered" if won else ""
+        return CancelOutcome(
+            won=won, state=self.state, message=f"job already ended as {self.state.value}{never}"
+        )
+
 
 class Placement(BaseModel):
     """The placement signal: run the job on this cluster's backend."""
@@ -175,10 +184,6 @@ class ReplayRequest(BaseModel):
             "back to the queue" if self.requeue else f"to {self.peer}" if self.peer else "to the same cluster"
         )
         return f"{where} ({self.reason})"
-
-
-# The reason of a job killed before any cluster received it: a cancel that won.
-CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
 
 
 class CancelOutcome(BaseModel):

@@ -7,7 +7,7 @@ import time
 
 from pydantic import BaseModel
 
-from iris.config import ConfigError, FederationConfig
+from iris.config import ClusterConfig, ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError
 from iris.policy.models import BackendReport, PeerReport
@@ -62,18 +62,15 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
         stale_after_ms=config.stale_after_ms,
         reports=list(reports),
         fetched_ms=int(time.time() * 1000),
-        configured={r.peer_id: configured_backends(config, r.peer_id) for r in reports if not r.reachable},
+        configured={
+            r.peer_id: configured_backends(config.cluster(r.peer_id)) for r in reports if not r.reachable
+        },
     )
 
 
-def configured_backends(config: FederationConfig, cluster: str) -> list[BackendReport]:
+def configured_backends(cluster: ClusterConfig) -> list[BackendReport]:
     """A cluster's backends as the federation config declares them: shapes only, no capacity."""
-    return [
-        BackendReport(backend_id=b.id, advertised_attributes=b.attributes)
-        for c in config.clusters
-        if c.name == cluster
-        for b in c.backends
-    ]
+    return [BackendReport(backend_id=b.id, advertised_attributes=b.attributes) for b in cluster.backends]
 
 
 def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
@@ -88,7 +85,7 @@ def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
             peer_id=c.name,
             reachable=True,
             last_contact_ms=now_ms,
-            backends=configured_backends(config, c.name),
+            backends=configured_backends(c),
         )
         for c in config.clusters
     ]

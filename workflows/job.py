@@ -42,7 +42,6 @@ with workflow.unsafe.imports_passed_through():
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.jobs import (
-        CANCELLED_BEFORE_HANDOFF,
         SA_PEER,
         SA_STATE,
         CancelOutcome,
@@ -94,6 +93,7 @@ _HANDLE_TERMINAL: Mapping[JobState, HandleState] = MappingProxyType(
         JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
     }
 )
+CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
 DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
@@ -193,13 +193,7 @@ class JobWorkflow:
         """Cancel, and say whether the cancel won: won = the job was never delivered to a cluster."""
         st = self.status()
         if st.terminal:
-            # A repeated cancel (a client retrying one whose workflow task failed) still learns
-            # whether the job was never delivered.
-            won = st.state is JobState.KILLED and not self._delivered
-            never = "; never delivered" if won else ""
-            return CancelOutcome(
-                won=won, state=st.state, message=f"job already ended as {st.state.value}{never}"
-            )
+            return st.ended_cancel_outcome()
         self._request_cancel(request)
         await workflow.wait_condition(lambda: self._delivered or self.status().terminal)
         st = self.status()

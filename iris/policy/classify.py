@@ -172,9 +172,8 @@ def classify(
 
     # Home backends count whatever home's state: the job waits for home to come back or free up.
     candidates: list[BackendReport] = _known_backends(home_report, configured) if home_report else []
-    skipped: list[str] = []
     # Peers not OK now, with the backends they are known to have: they may host the job later.
-    absent: list[tuple[str, list[BackendReport]]] = []
+    absent: dict[str, list[BackendReport]] = {}
     for report in sorted(reports, key=lambda r: r.peer_id):
         if report.peer_id == home:
             continue
@@ -182,21 +181,21 @@ def classify(
         if status is PeerStatus.OK:
             candidates.extend(report.backends)
         else:
-            skipped.append(f"{report.peer_id} {status.value}")
-            absent.append((f"{report.peer_id} {status.value}", _known_backends(report, configured)))
+            absent[f"{report.peer_id} {status.value}"] = _known_backends(report, configured)
 
-    if any(matches(constraints, b.advertised_attributes) for b in candidates):
+    def fits(backends: Sequence[BackendReport]) -> bool:
+        return any(matches(constraints, b.advertised_attributes) for b in backends)
+
+    if fits(candidates):
         reason = QUEUED_REASON + (f" ({why_not_home})" if why_not_home else "")
         return Classification(disposition=Disposition.QUEUE, reason=reason)
-    waiting_for = [
-        name for name, known in absent if any(matches(constraints, b.advertised_attributes) for b in known)
-    ]
+    waiting_for = [name for name, known in absent.items() if fits(known)]
     if waiting_for:
         reason = f"{QUEUED_REASON} (only {', '.join(waiting_for)} can run it)"
         return Classification(disposition=Disposition.QUEUE, reason=reason)
-    known_anywhere = candidates + [b for _, known in absent for b in known]
+    known_anywhere = candidates + [b for known in absent.values() for b in known]
     return Classification(
-        disposition=Disposition.REJECT, reason=_reject_reason(constraints, known_anywhere, skipped)
+        disposition=Disposition.REJECT, reason=_reject_reason(constraints, known_anywhere, list(absent))
     )
 
 
