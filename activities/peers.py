@@ -13,17 +13,21 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from iris.bundle import BundleError, BundleRef, fetch_from_home
 from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.controller.models import LaunchRequest
 from iris.logrelay import LogRelay
+from iris.objectstore import StoreUnavailable, open_store
 from iris.reports import FederationView, gather_reports
 
 # Error type names the workflow reacts to; refusals are never retried.
 HANDOFF_REJECTED = "HandoffRejected"
 JOB_LOST = "JobLost"
+# The job's workspace bundle is not (intact) in the home store: nothing to stage until an operator acts.
+BUNDLE_UNAVAILABLE = "BundleUnavailable"
 
 
 class LaunchInput(BaseModel):
@@ -46,6 +50,16 @@ class TerminateInput(BaseModel):
     job_id: str
 
 
+class StageInput(BaseModel):
+    cluster: str
+    bundle: BundleRef
+
+
+class StageResult(BaseModel):
+    # False: the cluster already held the bundle, nothing was sent.
+    uploaded: bool
+
+
 class PeerActivities:
     def __init__(
         self,
@@ -61,6 +75,7 @@ class PeerActivities:
         self._reuse_s = reports_reuse_s
         self._view: tuple[float, FederationView] | None = None
         self._reading: asyncio.Task[FederationView] | None = None
+        self._staging: dict[tuple[str, str], asyncio.Task[bool]] = {}
 
     def _client(self, cluster: str) -> ControllerClient:
         try:
@@ -94,19 +109,82 @@ class PeerActivities:
 
     @activity.defn
     async def launch_job(self, inp: LaunchInput) -> ControllerJobStatus:
-        """Hand the job to a cluster's controller. Refusals are final; outages are retried."""
+        """Hand the job to a cluster's controller. Refusals are final; outages are retried.
+
+        A cluster that answers that it does not hold the job's bundle (e.g. its store was lost
+        since ``stage_bundle``) gets it again, and the launch is repeated once.
+        """
+        bundle = inp.request.bundle
         try:
             async with self._client(inp.cluster) as client:
-                return await client.launch(inp.request)
+                try:
+                    return await client.launch(inp.request)
+                except NotFound:
+                    if bundle is None:
+                        raise
+                    await self._stage(inp.cluster, bundle)
+                    return await client.launch(inp.request)
         except ControllerError as exc:
-            if exc.retryable:
-                raise
+            raise _handoff_error(inp.cluster, "the job", exc) from None
+
+    @activity.defn
+    async def stage_bundle(self, inp: StageInput) -> StageResult:
+        """Send the job's workspace bundle to the cluster that will run it, from the home store.
+
+        Idempotent: a cluster that already holds the bundle (a retried or replayed handoff, or
+        another job with the same workspace) is sent nothing. The cluster verifies the bytes
+        against the id; the home store is read with the home cluster's credentials only.
+        """
+        try:
+            uploaded = await self._stage(inp.cluster, inp.bundle)
+        except ControllerError as exc:
+            raise _handoff_error(inp.cluster, f"workspace bundle {inp.bundle.short}", exc) from None
+        return StageResult(uploaded=uploaded)
+
+    async def _stage(self, cluster: str, ref: BundleRef) -> bool:
+        """Upload unless ``cluster`` holds the bundle; True if this call sent it. Jobs sharing one
+        workspace share one upload: a caller arriving while it is in flight waits for it."""
+        key = (cluster, ref.sha256)
+        running = self._staging.get(key)
+        if running is not None:
+            await asyncio.shield(running)
+            return False
+        task = asyncio.create_task(self._upload(cluster, ref))
+        self._staging[key] = task
+        task.add_done_callback(lambda _: self._staging.pop(key, None))
+        # Shielded: one caller's cancellation must not cancel the upload the others wait on.
+        return await asyncio.shield(task)
+
+    async def _upload(self, cluster: str, ref: BundleRef) -> bool:
+        async with self._client(cluster) as client:
+            try:
+                await client.bundle_info(ref.sha256)
+                return False
+            except NotFound:
+                pass
+            return await self._send(client, ref)
+
+    async def _send(self, client: ControllerClient, ref: BundleRef) -> bool:
+        home = self._config.home_cluster.object_store
+        if home is None:
             raise ApplicationError(
-                f"{inp.cluster} refused the job: {exc.message}",
-                exc.code,
-                type=HANDOFF_REJECTED,
+                f"the home cluster {self._config.home} has no object store holding bundles",
+                type=BUNDLE_UNAVAILABLE,
+                non_retryable=True,
+            )
+        try:
+            data = await asyncio.to_thread(fetch_from_home, open_store(home), ref)
+        except StoreUnavailable as exc:
+            raise ApplicationError(f"the home object store is unavailable: {exc}") from None
+        except (KeyError, BundleError) as exc:
+            what = "missing from" if isinstance(exc, KeyError) else "damaged in"
+            raise ApplicationError(
+                f"workspace bundle {ref.short} is {what} the home object store",
+                type=BUNDLE_UNAVAILABLE,
                 non_retryable=True,
             ) from None
+        await client.put_bundle(ref.sha256, data)
+        return True
 
     async def _relay_logs(self, client: ControllerClient, job_id: str, offset: int) -> int:
         """Copy whatever the job wrote since ``offset`` into the home-side relay; returns the new offset."""
@@ -164,3 +242,12 @@ class PeerActivities:
                 return await client.terminate(inp.job_id)
         except NotFound:
             return None
+
+
+def _handoff_error(cluster: str, what: str, exc: ControllerError) -> Exception:
+    """Outages are retried (the error itself); a refusal is final: HANDOFF_REJECTED."""
+    if exc.retryable:
+        return exc
+    return ApplicationError(
+        f"{cluster} refused {what}: {exc.message}", exc.code, type=HANDOFF_REJECTED, non_retryable=True
+    )

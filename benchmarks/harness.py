@@ -485,7 +485,8 @@ class BenchStack:
         configure(cfg)
         self._config = cfg
         self.config_file.write_text(cfg.model_dump_json(indent=2))
-        os.environ.update(devstack.object_store_env(cfg))
+        # The home side's credentials only; each controller gets its own from devstack.controller.
+        os.environ.update(devstack.store_credentials(cfg, cfg.home))
         key_dir = self.root / "keys"
         ensure_cluster_keys(cfg, key_dir)
         os.environ[KEY_DIR_ENV] = str(key_dir)

@@ -48,8 +48,18 @@ def root(
             help="Federation config file (default: config/clusters.toml in the project).",
         ),
     ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            "--cluster",
+            help="The cluster whose controller and federation to talk to (default: the config's home).",
+        ),
+    ] = None,
 ) -> None:
     common.STATE.config_file = config
+    common.STATE.cluster = cluster
+    if cluster is not None:
+        common.config()  # an unknown cluster is refused before any command runs
 
 
 @app.command("worker")

@@ -25,6 +25,8 @@ EXIT_INTERRUPTED = 130
 
 class State:
     config_file: Path | None = None
+    # The seed's `iris --cluster=NAME`; checked against the config on first use.
+    cluster: str | None = None
 
 
 STATE = State()
@@ -37,9 +39,12 @@ def fail(message: str, code: int) -> NoReturn:
 
 def config() -> FederationConfig:
     try:
-        return load_config(STATE.config_file)
+        cfg = load_config(STATE.config_file)
+        if STATE.cluster is not None:
+            cfg.check_cluster(STATE.cluster)
     except ConfigError as exc:
         fail(str(exc), EXIT_INVALID)
+    return cfg
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -91,7 +91,8 @@ def dev_command(
         )
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(devstack.object_store_env(cfg))
+    # This process hosts the worker: the home cluster's credentials only (each controller gets its own).
+    os.environ.update(devstack.store_credentials(cfg, cfg.home))
     # Each cluster's signing key pair, created on first start (SPEC §7); children inherit the dir.
     key_dir = data_dir / "keys"
     created = ensure_cluster_keys(cfg, key_dir)

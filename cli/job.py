@@ -8,12 +8,13 @@ import datetime as dt
 import json
 import shlex
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from cli import common
-from iris.client import IrisError, build_spec
+from iris.client import IrisError, prepare_submission
 from iris.jobs import JobState, JobStatus
 
 job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
@@ -90,11 +91,30 @@ def run_command(
     ] = None,
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job name (id = user/name).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return.")] = False,
+    workdir: Annotated[
+        Path,
+        typer.Option(
+            "--workdir",
+            help="The workspace shipped with the job: the command runs in a copy of it on the "
+            "cluster that runs the job (default: the current directory).",
+            file_okay=False,
+        ),
+    ] = Path("."),
+    no_workdir: Annotated[
+        bool, typer.Option("--no-workdir", help="Ship no workspace: the command runs in an empty directory.")
+    ] = False,
 ) -> None:
-    """Submit a job: `iris job run --device-type h100 --gpu-count 8 -- python train.py`."""
+    """Submit a job: `iris job run --device-type h100 --gpu-count 8 train.py`.
+
+    The job runs in a copy of the current directory (or --workdir), packed into a content-addressed
+    bundle of at most 25 MiB: .gitignore and .irisignore are honoured, .venv, .git, __pycache__ and
+    .data are never shipped. A first argument ending in .py runs with `python` (the first on the PATH
+    of the cluster that runs the job); name an interpreter to choose another (`python3.12 train.py`).
+    """
     try:
-        spec = build_spec(
+        spec, bundle = prepare_submission(
             command,
+            workdir=None if no_workdir else workdir,
             name=job_name,
             device_type=device_type,
             device_variant=device_variant,
@@ -112,9 +132,13 @@ def run_command(
     except IrisError as exc:
         common.fail(str(exc), exc.exit_code)
 
+    if bundle is not None:
+        where = workdir.resolve()
+        typer.echo(f"workspace {where}: bundle {bundle.ref.describe()}", err=True)
+
     async def go() -> int:
         client = await common.client()
-        job_id = await client.submit_spec(spec)
+        job_id = await client.submit_spec(spec, bundle)
         typer.echo(job_id)
         if no_wait:
             return common.EXIT_OK

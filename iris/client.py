@@ -40,6 +40,7 @@ from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from iris.bundle import Bundle, BundleError, BundleRef, contains, home_key, pack, store_at_home
 from iris.config import ConfigError, FederationConfig, load_config
 from iris.controller.models import LogChunk, validate_job_id
 from iris.jobs import (
@@ -59,6 +60,7 @@ from iris.jobs import (
     workflow_id,
 )
 from iris.logrelay import LogRelay
+from iris.objectstore import StoreUnavailable, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.reports import FederationView, config_view
@@ -168,8 +170,15 @@ def build_spec(
     artifacts: Sequence[str] = (),
     env: dict[str, str] | None = None,
     scheduling_timeout_s: float | None = None,
+    bundle: BundleRef | None = None,
 ) -> JobSpec:
-    """Validate user input into a JobSpec; raise InvalidJob with a one-line message."""
+    """Validate user input into a JobSpec; raise InvalidJob with a one-line message.
+
+    A command whose first argument is a Python file (``train.py``) runs as ``python train.py``: the
+    ``python`` found first on the PATH of the cluster that runs the job (its controller's
+    environment, e.g. its virtualenv). Name another interpreter to choose it (``python3.12
+    train.py``).
+    """
     if isinstance(command, str | bytes) or not all(isinstance(a, str) for a in command):
         raise InvalidJob("command must be a list of strings, e.g. ['python', 'train.py']")
     cmd = list(command)
@@ -262,7 +271,56 @@ def build_spec(
         artifacts=list(artifacts),
         scheduling_timeout_s=scheduling_timeout_s,
         submit_ms=int(time.time() * 1000),
+        bundle=bundle,
     )
+
+
+def python_command(command: Sequence[str]) -> list[str]:
+    """``["train.py", ...]`` → ``["python", "train.py", ...]``; anything else unchanged."""
+    cmd = list(command)
+    if cmd and cmd[0].endswith(".py") and not cmd[0].startswith("-"):
+        return ["python", *cmd]
+    return cmd
+
+
+def _script(command: Sequence[str]) -> str | None:
+    """The Python file a command runs, if it names one (``python train.py`` or ``train.py``)."""
+    if command and command[0].endswith(".py"):
+        return command[0]
+    if len(command) > 1 and Path(command[0]).name.startswith("python") and command[1].endswith(".py"):
+        return command[1]
+    return None
+
+
+def pack_workspace(workdir: str | os.PathLike[str]) -> Bundle | None:
+    """The workspace bundle of ``workdir`` (None if nothing in it is shipped); InvalidJob if it
+    cannot be bundled, with the one line that says why (e.g. the largest entries over the limit)."""
+    try:
+        return pack(workdir)
+    except BundleError as exc:
+        raise InvalidJob(str(exc)) from None
+
+
+def prepare_submission(
+    command: Sequence[str], *, workdir: str | os.PathLike[str] | None = ".", **kw: Any
+) -> tuple[JobSpec, Bundle | None]:
+    """Validate a submission and bundle its workspace (``workdir``; None ships nothing).
+
+    A relative Python file the command runs must be in the bundle: a job that cannot find its own
+    script is refused here rather than failing on a peer minutes later.
+    """
+    bundle = pack_workspace(workdir) if workdir is not None else None
+    cmd = python_command(command) if isinstance(command, list | tuple) else command
+    spec = build_spec(cmd, bundle=bundle.ref if bundle is not None else None, **kw)
+    script = _script(spec.command)
+    if workdir is not None and script is not None and not Path(script).is_absolute():
+        shipped = bundle is not None and contains(bundle, script)
+        if not shipped:
+            raise InvalidJob(
+                f"{script} is not in the workspace {Path(workdir).resolve()} (missing, or left out by "
+                ".gitignore/.irisignore): nothing was started"
+            )
+    return spec, bundle
 
 
 def workflow_not_ready(exc: RPCError) -> bool:
@@ -335,8 +393,30 @@ class AsyncIrisClient:
             raise JobRejected(f"job rejected: {decision.reason}")
         return decision.reason
 
-    async def submit_spec(self, spec: JobSpec) -> str:
+    async def store_bundle(self, ref: BundleRef, bundle: Bundle | None = None) -> bool:
+        """Keep a workspace bundle in the home cluster's store (once per content); True if this
+        call wrote it. Without the bytes, the store must already hold it."""
+        home = self.config.home_cluster.object_store
+        if home is None:
+            raise InvalidJob(
+                f"the home cluster {self.config.home} has no object store for workspace bundles; "
+                "submit with --no-workdir"
+            )
+        store = open_store(home)
+        try:
+            if bundle is None:
+                if not await asyncio.to_thread(store.exists, home_key(ref.sha256)):
+                    raise InvalidJob(f"workspace bundle {ref.short} is not in the home cluster's store")
+                return False
+            return await asyncio.to_thread(store_at_home, store, bundle)
+        except StoreUnavailable as exc:
+            raise Unavailable(f"cannot store the workspace bundle in {home.bucket}: {exc}") from None
+
+    async def submit_spec(self, spec: JobSpec, bundle: Bundle | None = None) -> str:
+        """Start the job's workflow; its bundle (``spec.bundle``) is stored at home first."""
         await self.precheck(spec)
+        if spec.bundle is not None:
+            await self.store_bundle(spec.bundle, bundle)
         try:
             await self.temporal.start_workflow(
                 JOB_WORKFLOW_TYPE,
@@ -357,12 +437,20 @@ class AsyncIrisClient:
         return spec.job_id
 
     async def submit(
-        self, command: Sequence[str] | None = None, *, script: str | None = None, **kw: Any
+        self,
+        command: Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        workdir: str | os.PathLike[str] | None = ".",
+        **kw: Any,
     ) -> str:
-        """Submit a job; returns its id. ``script`` is shorthand for ``["python", script]``."""
+        """Submit a job; returns its id. ``script`` is shorthand for ``[script]`` (run with
+        ``python``). The job runs in a copy of ``workdir`` (default: the current directory; None
+        ships nothing), bundled as ``iris job run`` does; ``kw`` are ``build_spec``'s options."""
         if command is None and script is not None:
-            command = ["python", script]
-        return await self.submit_spec(build_spec(command or [], **kw))
+            command = [script]
+        spec, bundle = await asyncio.to_thread(prepare_submission, command or [], workdir=workdir, **kw)
+        return await self.submit_spec(spec, bundle)
 
     async def describe(self, job_id: str) -> JobStatus:
         try:
@@ -590,9 +678,13 @@ class IrisClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="iris-client", daemon=True)
         self._thread.start()
-        cfg = config if isinstance(config, FederationConfig) else load_config(config)
-        if cluster is not None and cluster != cfg.home:
-            raise IrisError(f"this configuration's home cluster is {cfg.home!r}, not {cluster!r}")
+        try:
+            cfg = config if isinstance(config, FederationConfig) else load_config(config)
+            if cluster is not None:
+                cfg.check_cluster(cluster)
+        except ConfigError as exc:
+            self.close()
+            raise InvalidJob(str(exc)) from None
         self._async = self._run(AsyncIrisClient.connect(cfg))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -602,8 +694,15 @@ class IrisClient:
     def aio(self) -> AsyncIrisClient:
         return self._async
 
-    def submit(self, command: Sequence[str] | None = None, *, script: str | None = None, **kw: Any) -> str:
-        return self._run(self._async.submit(command, script=script, **kw))
+    def submit(
+        self,
+        command: Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        workdir: str | os.PathLike[str] | None = ".",
+        **kw: Any,
+    ) -> str:
+        return self._run(self._async.submit(command, script=script, workdir=workdir, **kw))
 
     def describe(self, job_id: str) -> JobStatus:
         return self._run(self._async.describe(job_id))

@@ -211,6 +211,21 @@ class FederationConfig(BaseModel):
     def home_cluster(self) -> ClusterConfig:
         return self.cluster(self.home)
 
+    def check_cluster(self, name: str) -> None:
+        """The seed's ``iris --cluster=NAME``: the cluster whose controller and federation a command
+        talks to. Only the home cluster runs this federation's manager; ConfigError for a peer (with
+        the name to use) or an unknown cluster."""
+        if name == self.home:
+            return
+        if name in self.cluster_names:
+            raise ConfigError(
+                f"cluster {name!r} is a peer in this federation; jobs, peers and placement are managed "
+                f"by its home cluster: use --cluster={self.home}"
+            )
+        raise ConfigError(
+            f"unknown cluster {name!r} (clusters in this config: {', '.join(self.cluster_names)})"
+        )
+
     @property
     def cluster_names(self) -> list[str]:
         return [c.name for c in self.clusters]

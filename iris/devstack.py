@@ -228,25 +228,32 @@ def controller(
         log_path=data_dir / "logs" / f"controller-{cluster}.log",
         ready=lambda: http_ok(f"{url}/v1/health"),
         address=url,
+        # Its own store's credentials, and no other cluster's (SPEC §7).
+        env=store_credentials(config, cluster),
     )
 
 
-def object_store_env(config: FederationConfig) -> dict[str, str]:
-    """Demo credentials for the emulators, one pair per cluster, set only in this process tree."""
+def store_credentials(config: FederationConfig, cluster: str) -> dict[str, str]:
+    """The demo credentials of ``cluster``'s object store (emulators only), as the environment
+    variables its config names: what that cluster's own processes get, and nothing else does."""
+    store = config.cluster(cluster).object_store
     env: dict[str, str] = {}
-    for c in config.clusters:
-        store = c.object_store
-        if store is None:
-            continue
-        if store.access_key_env:
-            env.setdefault(store.access_key_env, f"{c.name}-access")
-        if store.secret_key_env:
-            env.setdefault(store.secret_key_env, f"{c.name}-secret")
+    if store is not None and store.access_key_env:
+        env[store.access_key_env] = f"{cluster}-access"
+    if store is not None and store.secret_key_env:
+        env[store.secret_key_env] = f"{cluster}-secret"
     return env
 
 
+def all_store_credentials(config: FederationConfig) -> dict[str, dict[str, str]]:
+    """Every cluster's demo credentials, by cluster (for tests that look for them, never for a
+    process's environment)."""
+    return {c.name: store_credentials(config, c.name) for c in config.clusters}
+
+
 def ensure_buckets(config: FederationConfig) -> None:
-    """Create every cluster's artifact bucket in its emulator (idempotent)."""
+    """Create every cluster's artifact bucket in its emulator (idempotent), each with that
+    cluster's demo credentials."""
     import boto3
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
@@ -256,12 +263,13 @@ def ensure_buckets(config: FederationConfig) -> None:
         if store is None:
             continue
         if store.kind == "s3":
+            creds = store_credentials(config, c.name)  # explicit: this process holds no peer's
             s3 = boto3.client(
                 "s3",
                 endpoint_url=store.endpoint or f"http://127.0.0.1:{config.s3_port}",
                 region_name="us-east-1",
-                aws_access_key_id=os.environ.get(store.access_key_env, "demo"),
-                aws_secret_access_key=os.environ.get(store.secret_key_env, "demo"),
+                aws_access_key_id=creds.get(store.access_key_env, "demo"),
+                aws_secret_access_key=creds.get(store.secret_key_env, "demo"),
             )
             existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
             if store.bucket not in existing:
@@ -278,8 +286,8 @@ def ensure_buckets(config: FederationConfig) -> None:
 
 # ---- Ray (``iris dev --ray`` and the Ray tests) ------------------------------------------------
 
-# The Ray head and its jobs start from these variables only: the dev process holds the demo
-# clusters' object-store credentials and key directory, which must not reach jobs (SPEC §7).
+# The Ray head and its jobs start from these variables only: the dev process holds the home
+# cluster's object-store credentials and the key directory, which must not reach jobs (SPEC §7).
 _RAY_ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 # Ray's session sockets live under its temp dir; a Unix socket path must stay under 108 bytes.
 _RAY_MAX_TEMP_DIR = 40

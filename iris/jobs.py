@@ -11,6 +11,7 @@ from enum import StrEnum
 from pydantic import BaseModel, Field
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 
+from iris.bundle import BundleRef
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
 
 # Search attributes the project registers in every environment (dev server, tests, compose).
@@ -77,6 +78,8 @@ class JobSpec(BaseModel):
     artifacts: list[str] = Field(default_factory=list)
     scheduling_timeout_s: float | None = None
     submit_ms: int = 0
+    # The submitter's workspace, kept in the home cluster's store; the job carries only its id.
+    bundle: BundleRef | None = None
 
     def shape(self) -> JobShape:
         deadline = None

@@ -8,12 +8,11 @@ logs` reads them back, whether or not the peer still remembers the job.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-from iris.config import FederationConfig, ObjectStoreConfig
+from iris.config import FederationConfig
+from iris.objectstore import ObjectStore, open_store
 
 PREFIX = "iris-logs"
 _NAME = re.compile(r"(\d{16})-(\d{16})$")
@@ -25,59 +24,6 @@ class RelayedChunk:
     next_offset: int
 
 
-class _Objects(Protocol):
-    def put(self, key: str, data: bytes) -> None: ...
-    def keys(self, prefix: str) -> list[str]: ...
-    def get(self, key: str) -> bytes: ...
-
-
-class _GcsObjects:
-    def __init__(self, store: ObjectStoreConfig) -> None:
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage
-
-        options = {"api_endpoint": store.endpoint} if store.endpoint else None
-        creds = AnonymousCredentials() if store.endpoint else None  # type: ignore[no-untyped-call]
-        self._bucket = storage.Client(project="iris", credentials=creds, client_options=options).bucket(
-            store.bucket
-        )
-
-    def put(self, key: str, data: bytes) -> None:
-        self._bucket.blob(key).upload_from_string(data, content_type="text/plain; charset=utf-8")
-
-    def keys(self, prefix: str) -> list[str]:
-        return [b.name for b in self._bucket.client.list_blobs(self._bucket, prefix=prefix)]
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._bucket.blob(key).download_as_bytes())
-
-
-class _S3Objects:
-    def __init__(self, store: ObjectStoreConfig) -> None:
-        import boto3
-
-        self._bucket = store.bucket
-        self._s3: Any = boto3.client(
-            "s3",
-            endpoint_url=store.endpoint or None,
-            region_name="us-east-1",
-            aws_access_key_id=os.environ.get(store.access_key_env) if store.access_key_env else None,
-            aws_secret_access_key=os.environ.get(store.secret_key_env) if store.secret_key_env else None,
-        )
-
-    def put(self, key: str, data: bytes) -> None:
-        self._s3.put_object(Bucket=self._bucket, Key=key, Body=data)
-
-    def keys(self, prefix: str) -> list[str]:
-        keys: list[str] = []
-        for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix):
-            keys += [o["Key"] for o in page.get("Contents", [])]
-        return keys
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._s3.get_object(Bucket=self._bucket, Key=key)["Body"].read())
-
-
 class LogRelay:
     """Append and read relayed logs in the home cluster's object store (synchronous I/O)."""
 
@@ -85,7 +31,7 @@ class LogRelay:
         store = config.home_cluster.object_store
         if store is None:
             raise ValueError(f"home cluster {config.home} has no object store to relay logs into")
-        self._objects: _Objects = _GcsObjects(store) if store.kind == "gcs" else _S3Objects(store)
+        self._objects: ObjectStore = open_store(store)
 
     @staticmethod
     def _prefix(job_id: str) -> str:

@@ -33,7 +33,8 @@ class ObjectStore(Protocol):
     def exists(self, key: str) -> bool:
         """True if the object exists and is readable; False if absent or not ours to read."""
 
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str) -> bytes:
+        """The object's bytes; KeyError if there is none."""
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         """Write ``data``; with ``if_absent`` an existing object is left alone. True if written."""
@@ -75,7 +76,12 @@ class _Gcs:
             return False
 
     def get(self, key: str) -> bytes:
-        return bytes(self._call(lambda: self._bucket.blob(key).download_as_bytes()))
+        from google.api_core import exceptions as gexc
+
+        try:
+            return bytes(self._call(lambda: self._bucket.blob(key).download_as_bytes()))
+        except gexc.NotFound:
+            raise KeyError(key) from None
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         from google.api_core import exceptions as gexc
@@ -90,7 +96,10 @@ class _Gcs:
         return True
 
     def keys(self, prefix: str) -> list[str]:
-        return [b.name for b in self._call(lambda: list(self._bucket.client.list_blobs(self.bucket, prefix=prefix)))]
+        return [
+            b.name
+            for b in self._call(lambda: list(self._bucket.client.list_blobs(self.bucket, prefix=prefix)))
+        ]
 
 
 class _S3:
@@ -131,7 +140,14 @@ class _S3:
         return True
 
     def get(self, key: str) -> bytes:
-        return bytes(self._call(lambda: self._s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()))
+        from botocore.exceptions import ClientError
+
+        try:
+            return bytes(self._call(lambda: self._s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()))
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) in {"NoSuchKey", "404", "NoSuchBucket"}:
+                raise KeyError(key) from None
+            raise
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> bool:
         from botocore.exceptions import ClientError
@@ -159,7 +175,7 @@ class _S3:
 @functools.cache
 def _open(kind: str, bucket: str, endpoint: str, access_key_env: str, secret_key_env: str) -> ObjectStore:
     store = ObjectStoreConfig(
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         bucket=bucket,
         endpoint=endpoint,
         access_key_env=access_key_env,

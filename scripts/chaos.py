@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import shutil
 import sys
@@ -144,21 +143,20 @@ async def start_stack(root: Path) -> ChaosStack:
     config_file.write_text(cfg.model_dump_json(indent=2))
     ensure_cluster_keys(cfg, root / "keys")
     child_env = {
-        **devstack.object_store_env(cfg),
         KEY_DIR_ENV: str(root / "keys"),
         "IRIS_STORE_URL": cfg.store_url,
         "IRIS_CONFIG": str(config_file),
     }
-    # ensure_buckets below reads the object-store credentials from this process's environment.
-    for name, value in devstack.object_store_env(cfg).items():
-        os.environ.setdefault(name, value)
     temporal = devstack.temporal_server(cfg, root, db_file=root / "temporal.db")
     emulators = [devstack.s3_server(cfg, root), devstack.gcs_server(cfg, root)]
     controllers = {c.name: devstack.controller(config_file, cfg, c.name, root) for c in cfg.clusters}
     for svc in [temporal, *emulators, *controllers.values()]:
-        svc.env = child_env
+        # A controller keeps its own store's credentials (devstack.controller); no process gets another's.
+        svc.env = {**child_env, **svc.env}
         svc.start()
-    stack = ChaosStack(root, cfg, config_file, child_env, temporal, controllers, emulators)
+    # The worker holds the home cluster's credentials only.
+    worker_env = {**child_env, **devstack.store_credentials(cfg, cfg.home)}
+    stack = ChaosStack(root, cfg, config_file, worker_env, temporal, controllers, emulators)
     for svc in [temporal, *emulators, *controllers.values()]:
         await asyncio.to_thread(svc.wait_ready, 120)
     await asyncio.to_thread(devstack.ensure_buckets, cfg)
@@ -369,7 +367,7 @@ class Chaos:
 
         async def go() -> str:
             try:
-                return await iris.submit(plan.command, name=name, user=USER, **plan.kwargs)
+                return await iris.submit(plan.command, name=name, user=USER, workdir=None, **plan.kwargs)
             except JobAlreadyExists:
                 return job_id  # an earlier attempt started it; its answer was lost
 

@@ -2,7 +2,8 @@
 
 Forwards every request to the controller unchanged, except that it can refuse the next N
 launches with 503 UNAVAILABLE — a peer outage at the exact moment of handoff, which timing alone
-cannot produce reliably. The controller behind it stays the real one and counts its own launches.
+cannot produce reliably —, lose the reply to a request the controller has acted on, or go down
+right after a given request. The controller behind it stays the real one and counts its own launches.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class FaultProxy:
         self.forwarded_launches = 0
         # Requests seen, by "METHOD /path" (query string left out).
         self.requests: Counter[str] = Counter()
+        # "METHOD /path-prefix" -> how many of the next matching requests reach the controller
+        # and have their reply lost: the caller gets 502 after the controller has acted.
+        self.lose_replies: Counter[str] = Counter()
+        self.lost_replies = 0
+        # After the first reply to a request matching this "METHOD /path-prefix", go down.
+        self.down_after: str | None = None
         self._http = httpx.AsyncClient(timeout=30)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -69,6 +76,8 @@ class FaultProxy:
             return
         if is_launch:
             self.forwarded_launches += 1
+        request_line = f"{scope['method']} {scope['path']}"
+        lose = next((k for k, n in self.lose_replies.items() if n > 0 and request_line.startswith(k)), None)
         path = scope.get("raw_path") or scope["path"].encode()
         url = self.upstream + path.decode()
         if scope.get("query_string"):
@@ -80,6 +89,15 @@ class FaultProxy:
             await send({"type": "http.response.start", "status": 502, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
+        if lose is not None:
+            self.lose_replies[lose] -= 1
+            self.lost_replies += 1
+            await send({"type": "http.response.start", "status": 502, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if self.down_after is not None and request_line.startswith(self.down_after):
+            self.down_after = None
+            self.down = True
         out_headers = [
             (k.encode(), v.encode())
             for k, v in resp.headers.items()

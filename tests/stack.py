@@ -12,11 +12,11 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from faultproxy import FaultProxy
 from temporalio.client import Client
@@ -72,6 +72,22 @@ def on_ray_head(cfg: FederationConfig, head_address: str, gcs_address: str) -> N
                 b.gcs_address = gcs_address
 
 
+class StackClient(AsyncIrisClient):
+    """The SDK as the suite uses it: a job ships no workspace unless its test passes ``workdir``.
+    The suite runs in the repository, which is not what most tests' jobs are about; the tests of
+    workspace bundles (tests/e2e/test_bundles.py) build their own directories."""
+
+    async def submit(
+        self,
+        command: Sequence[str] | None = None,
+        *,
+        script: str | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        **kw: Any,
+    ) -> str:
+        return await super().submit(command, script=script, workdir=workdir, **kw)
+
+
 @dataclass
 class CliResult:
     code: int
@@ -95,14 +111,21 @@ class Stack:
     def cli_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}
 
-    async def cli(self, *args: str, timeout: float = 120.0) -> CliResult:
-        """Run `iris ARGS...` as a user would, without blocking the worker sharing this loop."""
+    async def cli(self, *args: str, timeout: float = 120.0, cwd: Path | None = None) -> CliResult:
+        """Run `iris ARGS...` as a user would, without blocking the worker sharing this loop.
+
+        In ``cwd``, by default an empty directory: the workspace `iris job run` ships is empty.
+        """
+        if cwd is None:
+            cwd = self.data_dir / "empty-cwd"
+            cwd.mkdir(exist_ok=True)
         proc = await asyncio.create_subprocess_exec(
             str(VENV_BIN / "iris"),
             *args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=self.cli_env(),
+            cwd=cwd,
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -170,7 +193,9 @@ class StackRunner:
         cfg.temporal.ui_port = self.ui_port
         config_file = self.root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
-        os.environ.update(devstack.object_store_env(cfg))
+        # This process hosts the worker: the home cluster's credentials only (each controller
+        # gets its own from devstack.controller).
+        os.environ.update(devstack.store_credentials(cfg, cfg.home))
         key_dir = self.key_dir
         ensure_cluster_keys(cfg, key_dir)
         os.environ[KEY_DIR_ENV] = str(key_dir)
@@ -207,7 +232,7 @@ class StackRunner:
             data_dir=self.root,
             key_dir=key_dir,
             client=self.env.client,
-            iris=AsyncIrisClient(self.env.client, cfg),
+            iris=StackClient(self.env.client, cfg),
             store=self.store,
             backend=self.backend,
             services={s.name: s for s in services},

@@ -73,6 +73,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         activities=[
             peers.fetch_reports,
             peers.launch_job,
+            peers.stage_bundle,
             peers.mirror_job,
             peers.terminate_job,
             queue.enqueue_job,

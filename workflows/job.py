@@ -24,11 +24,13 @@ from temporalio.exceptions import CancelledError as TemporalCancelledError
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
     from activities.peers import (
+        BUNDLE_UNAVAILABLE,
         HANDOFF_REJECTED,
         JOB_LOST,
         LaunchInput,
         MirrorInput,
         PeerActivities,
+        StageInput,
         TerminateInput,
     )
     from activities.store import (
@@ -99,6 +101,12 @@ DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
 # recorded before it replay on the old path.
 LOCAL_STEPS_PATCH = "local-store-steps-v1"
+# Runs that reach a handoff with this patch stage the job's workspace bundle on the destination
+# first (BUILDING). A run that an older worker began without staging replays without it.
+BUNDLE_PATCH = "workspace-bundle-v1"
+_STAGE_TIMEOUT = timedelta(minutes=5)
+# Runs with this patch relay the output of a job whose (repeated) launch found it already ended.
+TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
@@ -465,6 +473,12 @@ class JobWorkflow:
             self._event(JobState.QUEUED_HANDOFF, f"promotion to {target} refused: {result.message}")
             self._set(JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", record=False)
 
+    async def _cancel_before_handoff(self) -> JobStatus:
+        """A cancel seen while preparing a handoff that was never sent: the job is never delivered."""
+        if self._queued:
+            return await self._cancel_queued()
+        return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+
     async def _cancel_queued(self) -> JobStatus:
         """Record the cancel intent in the store; either way the job is never delivered."""
         assert self._spec is not None and self._cancel is not None
@@ -528,15 +542,16 @@ class JobWorkflow:
         prepare = f"Promoted to {cluster}" if self._queued else f"Runs at home on {cluster}"
         self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
         if self._cancel is not None:
-            return (
-                await self._cancel_queued()
-                if self._queued
-                else await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
-            )
+            return await self._cancel_before_handoff()
         if spec.artifacts:
             checked = await self._check_artifacts(spec, cluster)
             if checked is not None:
                 return checked
+        bundle = spec.bundle if spec.bundle is not None and workflow.patched(BUNDLE_PATCH) else None
+        if bundle is not None:
+            staged = await self._stage_bundle(spec, cluster)
+            if staged is not None:
+                return staged
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         # The delivery commit point: set in the same workflow task that schedules the launch.
         self._delivered = True
@@ -551,6 +566,7 @@ class JobWorkflow:
             requester=view.home,
             nonce=self._incarnation,
             backend_id=backend,
+            bundle=bundle,
         )
         try:
             # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
@@ -575,6 +591,10 @@ class JobWorkflow:
             self._event(JobState.HANDED_OFF, f"Accepted by the home cluster {cluster}")
         if self._queued:
             await self._handle_state(HandleState.HANDED_OFF)
+        if launched.terminal and workflow.patched(TERMINAL_LAUNCH_PATCH):
+            # A launch repeated after a lost reply can find the job already ended: its output
+            # still has to be relayed home, which the mirror does before it reports an end.
+            launched = await self._read_remote(cluster, spec.job_id)
         status = await self._mirror(cluster, launched)
         if self._queued and status.state in _HANDLE_TERMINAL:
             await self._handle_state(_HANDLE_TERMINAL[status.state])
@@ -600,11 +620,34 @@ class JobWorkflow:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
             return _Parked(report.reasons[0] + more)
         if self._cancel is not None:
-            return (
-                await self._cancel_queued()
-                if self._queued
-                else await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+            return await self._cancel_before_handoff()
+        return None
+
+    async def _stage_bundle(self, spec: JobSpec, cluster: str) -> JobStatus | _Parked | None:
+        """BUILDING: the workspace bundle goes to ``cluster`` before the launch (SPEC §12)."""
+        bundle = spec.bundle
+        assert bundle is not None
+        self._set(JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
+        try:
+            staged = await workflow.execute_activity_method(
+                PeerActivities.stage_bundle,
+                StageInput(cluster=cluster, bundle=bundle),
+                start_to_close_timeout=_STAGE_TIMEOUT,
+                retry_policy=_HANDOFF_RETRY,
             )
+        except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
+                return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
+            if isinstance(cause, ApplicationError) and cause.type == BUNDLE_UNAVAILABLE:
+                return _Parked(cause.message)
+            return _Parked(f"Cannot stage the workspace bundle on {cluster}: {cause or exc}")
+        done = "uploaded to" if staged.uploaded else "already on"
+        self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
+        if self._cancel is not None:
+            return await self._cancel_before_handoff()
         return None
 
     async def _park(self, reason: str) -> JobStatus | ReplayRequest:
@@ -696,6 +739,15 @@ class JobWorkflow:
             retry_policy=_MIRROR_RETRY,
         )
 
+    async def _read_remote(self, cluster: str, job_id: str) -> ControllerJobStatus:
+        """The job as its cluster has it now, with its output relayed home if it has ended."""
+        return await workflow.execute_activity_method(
+            PeerActivities.mirror_job,
+            MirrorInput(cluster=cluster, job_id=job_id, known_state=None),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_MIRROR_RETRY,
+        )
+
     async def _after_temporal_cancel(self, spec: JobSpec) -> JobStatus:
         st = self._status
         assert st is not None
@@ -712,12 +764,7 @@ class JobWorkflow:
             return await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if st.state is JobState.HANDOFF_FAILED:
             return await self._finish(JobState.KILLED, "Cancelled while parked after a failed handoff")
-        current = await workflow.execute_activity_method(
-            PeerActivities.mirror_job,
-            MirrorInput(cluster=st.cluster, job_id=spec.job_id, known_state=None),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_MIRROR_RETRY,
-        )
+        current = await self._read_remote(st.cluster, spec.job_id)
         status = await self._mirror(st.cluster, current)
         if self._queued and status.state in _HANDLE_TERMINAL:
             await self._handle_state(_HANDLE_TERMINAL[status.state])

@@ -6,6 +6,7 @@ errors are INVALID_ARGUMENT (400), never FastAPI's default 422 shape.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,8 +19,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from iris.bundle import MAX_ARCHIVE_BYTES, BundleError, check_sha256, human_size
 from iris.config import ClusterConfig, FederationConfig
-from iris.controller.errors import ControllerError, NotFound, PermissionDenied
+from iris.controller.artifacts import router as artifacts_router
+from iris.controller.bundles import BundleInfo
+from iris.controller.errors import ControllerError, InvalidArgument, NotFound, PermissionDenied
 from iris.controller.executors import MAX_LOG_CHUNK, Executor
 from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, default_key_dir
 from iris.controller.models import (
@@ -40,6 +44,7 @@ access_log = logging.getLogger("iris.controller.access")
 
 MAX_BODY_BYTES = 1 << 20
 MAX_FOLLOW_WAIT_S = 60.0
+BUNDLES_PATH = "/v1/bundles/"
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code.http_status: {"model": ErrorBody, "description": code.value} for code in ErrorCode
@@ -131,9 +136,10 @@ def create_app(
     ) -> Response:
         start = time.monotonic()
         length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        limit = MAX_ARCHIVE_BYTES if request.url.path.startswith(BUNDLES_PATH) else MAX_BODY_BYTES
+        if length is not None and (not length.isdigit() or int(length) > limit):
             response: Response = _error(
-                ErrorCode.INVALID_ARGUMENT, f"request body larger than {MAX_BODY_BYTES} bytes", 413
+                ErrorCode.INVALID_ARGUMENT, f"request body larger than {limit} bytes", 413
             )
         else:
             response = await call_next(request)
@@ -202,6 +208,44 @@ def create_app(
         job, _created = executor.launch(req)
         return job.status()
 
+    def bundle_id(sha256: str) -> str:
+        try:
+            return check_sha256(sha256)
+        except BundleError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    @app.get(BUNDLES_PATH + "{sha256}", response_model=BundleInfo, tags=["bundles"])
+    async def bundle_info(sha256: str, executor: ExecutorDep, caller: CallerDep) -> BundleInfo:
+        """Whether this cluster holds the workspace bundle ``sha256`` (its bytes are never served)."""
+        info = executor.bundles.info(bundle_id(sha256))
+        if info is None:
+            raise NotFound(f"bundle {sha256} is not stored on cluster {cluster.name}")
+        return info
+
+    @app.put(BUNDLES_PATH + "{sha256}", response_model=BundleInfo, tags=["bundles"])
+    async def put_bundle(
+        sha256: str, request: Request, executor: ExecutorDep, caller: CallerDep
+    ) -> BundleInfo:
+        """Store a workspace bundle under its sha256 (idempotent; refused unless the bytes hash to
+        it and form an acceptable bundle). The caller is authenticated before the body is read."""
+        if not admission.may_submit(caller):
+            raise PermissionDenied(f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}")
+        sha = bundle_id(sha256)
+        existing = executor.bundles.info(sha)
+        if existing is not None:
+            return existing
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_ARCHIVE_BYTES:  # a chunked body has no length to refuse up front
+                raise InvalidArgument(f"bundle larger than {human_size(MAX_ARCHIVE_BYTES)}")
+        try:
+            info = await asyncio.to_thread(executor.bundles.put, sha, bytes(body))
+        except BundleError as exc:
+            raise InvalidArgument(str(exc)) from None
+        log.info("bundle %s stored (%d bytes) from %s", sha[:12], info.size, caller.cluster or "-")
+        return info
+
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
     async def list_jobs(executor: ExecutorDep, caller: CallerDep) -> JobList:
         return JobList(jobs=[j.status() for j in executor.all_jobs() if caller.may_access(j.requester)])
@@ -231,4 +275,5 @@ def create_app(
     async def status(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
         return owned(executor, caller, job_id).status()
 
+    app.include_router(artifacts_router(cluster))
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -21,6 +22,8 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from iris.config import FederationConfig
+from iris.controller.artifacts import ArtifactReport
+from iris.controller.bundles import BundleInfo
 from iris.controller.errors import ControllerError, Unavailable, error_for
 from iris.controller.identity import TokenSigner
 from iris.controller.models import (
@@ -34,6 +37,8 @@ from iris.controller.models import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+# The slowest link an upload is given time for, beyond the client's own timeout (1 MiB/s).
+UPLOAD_BYTES_PER_S = float(1 << 20)
 
 
 @functools.cache
@@ -107,15 +112,19 @@ class ControllerClient:
         model: type[M],
         *,
         json: Any = None,
+        content: bytes | None = None,
         params: dict[str, Any] | None = None,
         request_timeout: float | None = None,
     ) -> M:
         headers = {"Authorization": self._signer.authorization()} if self._signer else {}
+        if content is not None:
+            headers["Content-Type"] = "application/octet-stream"
         try:
             resp = await self._http.request(
                 method,
                 path,
                 json=json,
+                content=content,
                 params=params,
                 headers=headers,
                 timeout=request_timeout if request_timeout is not None else self.timeout,
@@ -177,9 +186,34 @@ class ControllerClient:
             "GET", _job_path(job_id) + "/logs", LogChunk, params=params, request_timeout=timeout
         )
 
+    async def bundle_info(self, sha256: str) -> BundleInfo:
+        """The bundle ``sha256`` as the controller holds it; NotFound if it does not."""
+        return await self._request("GET", f"/v1/bundles/{quote(sha256, safe='')}", BundleInfo)
+
+    async def put_bundle(self, sha256: str, data: bytes) -> BundleInfo:
+        """Upload a workspace bundle under its sha256 (idempotent; the controller verifies it)."""
+        return await self._request(
+            "PUT",
+            f"/v1/bundles/{quote(sha256, safe='')}",
+            BundleInfo,
+            content=data,
+            request_timeout=self.timeout + len(data) / UPLOAD_BYTES_PER_S,
+        )
+
     async def terminate(self, job_id: str) -> JobStatus:
         return await self._request(
             "POST", _job_path(job_id) + "/terminate", JobStatus, request_timeout=self.timeout + 10
+        )
+
+    async def check_artifacts(self, uris: Sequence[str]) -> ArtifactReport:
+        """Which of ``uris`` the cluster cannot read in its own object store, with its own
+        credentials (at most 1024 URIs of at most 1024 characters); Unavailable if the store is down."""
+        return await self._request(
+            "POST",
+            "/v1/artifacts/check",
+            ArtifactReport,
+            json={"uris": list(uris)},
+            request_timeout=self.timeout + 20,
         )
 
 

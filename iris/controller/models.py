@@ -11,6 +11,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from iris.bundle import BundleRef
 from iris.policy.models import BackendReport, Band, DeviceRequest
 
 # One job id segment: conservative characters so ids survive URLs, file names and logs unchanged.
@@ -83,6 +84,8 @@ class LaunchRequest(BaseModel):
     nonce: str = Field(min_length=1, max_length=256)
     backend_id: str = Field(min_length=1, max_length=256)
     timeout_s: float | None = Field(default=None, gt=0, le=365 * 24 * 3600)
+    # The job's workspace, uploaded beforehand (PUT /v1/bundles/{sha256}); the command runs in it.
+    bundle: BundleRef | None = None
 
     @field_validator("job_id")
     @classmethod

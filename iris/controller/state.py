@@ -19,7 +19,9 @@ from iris.controller.models import ControllerJobState, JobStatus, LaunchRequest,
 from iris.policy.models import Band, DeviceRequest
 
 DB_NAME = "controller.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Each step takes the schema from version N-1 to N; a store is migrated on open.
+_MIGRATIONS = {2: "ALTER TABLE jobs ADD COLUMN bundle TEXT"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -44,7 +46,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempts INTEGER NOT NULL,
     run_id TEXT NOT NULL,
     tasks TEXT NOT NULL,
-    terminate_requested INTEGER NOT NULL DEFAULT 0
+    terminate_requested INTEGER NOT NULL DEFAULT 0,
+    bundle TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
 CREATE TABLE IF NOT EXISTS seen_tokens (jti TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
@@ -112,6 +115,8 @@ class JobRecord:
     finished_ms: int | None = None
     tasks: list[TaskRecord] = field(default_factory=list)
     terminate_requested: bool = False
+    # The sha256 of the job's workspace bundle in this controller's bundle store, if it has one.
+    bundle: str | None = None
 
     @classmethod
     def new(cls, req: LaunchRequest, *, seq: int, run_id: str, attempts: int) -> JobRecord:
@@ -132,6 +137,7 @@ class JobRecord:
             attempts=attempts,
             run_id=run_id,
             tasks=[TaskRecord(index=i) for i in range(req.device.replicas)],
+            bundle=req.bundle.sha256 if req.bundle else None,
         )
 
     @property
@@ -162,7 +168,8 @@ class JobRecord:
 
 _COLUMNS = (
     "job_id, seq, requester, nonce, user, band, backend_id, command, env, device, timeout_s, state, "
-    "exit_code, error, created_ms, started_ms, finished_ms, attempts, run_id, tasks, terminate_requested"
+    "exit_code, error, created_ms, started_ms, finished_ms, attempts, run_id, tasks, terminate_requested, "
+    "bundle"
 )
 
 
@@ -190,8 +197,23 @@ class StateStore:
             self._db.execute(
                 "INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
             )
-        elif int(row[0]) != SCHEMA_VERSION:
-            raise RuntimeError(f"{self.path}: unsupported schema version {row[0]}")
+        elif int(row[0]) > SCHEMA_VERSION:
+            raise RuntimeError(f"{self.path}: unsupported schema version {row[0]} (newer than this code)")
+        else:
+            self._migrate(int(row[0]))
+
+    def _migrate(self, version: int) -> None:
+        """Bring a store written by an older controller up to SCHEMA_VERSION, one step per version,
+        each in its own transaction."""
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(_MIGRATIONS[target])
+                self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(target),))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def close(self) -> None:
         self._db.close()
@@ -227,6 +249,7 @@ class StateStore:
                 job.run_id,
                 json.dumps([t.to_json() for t in job.tasks]),
                 int(job.terminate_requested),
+                job.bundle,
             ),
         )
 
@@ -258,6 +281,7 @@ class StateStore:
             run_id=r[18],
             tasks=[TaskRecord.from_json(t) for t in json.loads(r[19])],
             terminate_requested=bool(r[20]),
+            bundle=r[21],
         )
 
     def remember_token(self, jti: str, expires_ms: int) -> bool:

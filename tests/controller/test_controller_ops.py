@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import boto3
 import httpx
 import pytest
 from controller_harness import (
@@ -24,6 +25,7 @@ from controller_harness import (
     start_controller,
     wait_terminal,
 )
+from moto.server import ThreadedMotoServer
 
 from iris.controller.errors import Unauthenticated
 from iris.controller.identity import generate_keypair
@@ -133,9 +135,24 @@ async def test_no_secret_in_any_response_or_log(tmp_path: Path) -> None:
             "allowed_submitters": ["*"],
         },
     )
+    # The peer's own S3 store (moto), which it reads with these credentials in artifact checks.
+    s3_port = free_port()
+    s3_url = f"http://127.0.0.1:{s3_port}"
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
+    moto.start()
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_url,
+        region_name="us-east-1",
+        aws_access_key_id=s3_access,
+        aws_secret_access_key=s3_secret,
+    )
+    s3.create_bucket(Bucket="peer-bucket")
+    s3.put_object(Bucket="peer-bucket", Key="present", Body=b"x")
     peer["object_store"] = {
         "kind": "s3",
-        "bucket": "b",
+        "bucket": "peer-bucket",
+        "endpoint": s3_url,
         "access_key_env": "IRIS_TEST_S3_KEY",
         "secret_key_env": "IRIS_TEST_S3_SECRET",
     }
@@ -182,6 +199,11 @@ async def test_no_secret_in_any_response_or_log(tmp_path: Path) -> None:
                 resp = await http.request(method, path, **kw)
                 assert resp.status_code < 500
                 bodies.append(resp.text)
+            # The controller signs its store requests with its own credentials: none may show.
+            uris = ["s3://peer-bucket/present", "s3://peer-bucket/absent"]
+            resp = await http.post("/v1/artifacts/check", headers=signed(), json={"uris": uris})
+            assert resp.status_code == 200 and resp.json()["missing"] == uris[1:], resp.text
+            bodies.append(resp.text)
         async with ctl.client(signer) as c:
             assert (await wait_terminal(c, "sec/env")).exit_code == 0
             job_log = await read_all_logs(c, "sec/env")
@@ -195,6 +217,7 @@ async def test_no_secret_in_any_response_or_log(tmp_path: Path) -> None:
             bodies.append(err.value.message)
     finally:
         ctl.stop()
+        moto.stop()
 
     secrets = [
         s3_access,

@@ -102,7 +102,8 @@ async def ray_federation(
         cfg = federation_config(ray_head, env.client.service_client.config.target_host)
         config_file = root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
-        os.environ.update(devstack.object_store_env(cfg))
+        # The worker here relays logs to the home's S3: the home's credentials only.
+        os.environ.update(devstack.store_credentials(cfg, cfg.home))
         services = [
             devstack.s3_server(cfg, root),
             *(devstack.controller(config_file, cfg, c.name, root) for c in cfg.clusters),

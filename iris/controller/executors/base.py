@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from iris.config import BackendConfig, ClusterConfig
+from iris.controller.bundles import BundleStore
 from iris.controller.errors import InvalidArgument
 from iris.controller.models import ControllerJobState
 from iris.controller.state import JobRecord
@@ -87,6 +88,9 @@ class JobHost(Protocol):
 
     @property
     def state_dir(self) -> Path: ...
+
+    @property
+    def bundles(self) -> BundleStore: ...
 
     def save(self, job: JobRecord) -> None:
         """Persist the job's current record."""

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from iris.config import ClusterConfig
+from iris.controller.bundles import BundleStore
 from iris.controller.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from iris.controller.executors.base import Backend, BackendUnreachable, log_path_for
 from iris.controller.executors.process import ProcessBackend, kill_leftovers, settle_lost_run
@@ -60,6 +61,8 @@ class Executor:
         self._changed: dict[str, asyncio.Event] = {}
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
         (state_dir / "work").mkdir(parents=True, exist_ok=True)
+        self._bundles = BundleStore(state_dir / "bundles")
+        self._bundles.sweep_uploads()
 
     # ---- JobHost ---------------------------------------------------------------------------
 
@@ -70,6 +73,10 @@ class Executor:
     @property
     def state_dir(self) -> Path:
         return self._state_dir
+
+    @property
+    def bundles(self) -> BundleStore:
+        return self._bundles
 
     def save(self, job: JobRecord) -> None:
         self.store.save(job)
@@ -153,6 +160,12 @@ class Executor:
                 f"(backends: {', '.join(sorted(self.backends))})"
             )
         backend.demand(req.device)
+        if req.bundle is not None and not self._bundles.has(req.bundle.sha256):
+            # Not a refusal of the job: the home side uploads the bundle and launches again.
+            raise NotFound(
+                f"bundle {req.bundle.sha256} is not stored on cluster {self.cluster.name}; "
+                f"upload it first (PUT /v1/bundles/{req.bundle.sha256})"
+            )
         job = JobRecord.new(req, seq=self.store.next_seq(), run_id=uuid.uuid4().hex, attempts=attempts)
         self.store.save(job)
         self.jobs[job.job_id] = job

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, Demand, JobHost
@@ -311,8 +312,12 @@ class ProcessBackend(Backend):
         workdir.mkdir(parents=True, exist_ok=True)
         outcome: tuple[ControllerJobState, int | None, str | None]
         try:
-            with path.open("ab") as logf:
-                outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
+            unpacked = await self._unpack(job, workdir)
+            if unpacked is not None:
+                outcome = unpacked
+            else:
+                with path.open("ab") as logf:
+                    outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
             # Descendants that left the process group (setsid, daemons) must not outlive the job.
             stray = await asyncio.to_thread(kill_leftovers, {job.run_id})
             if stray:
@@ -339,6 +344,19 @@ class ProcessBackend(Backend):
             "job %s finished: %s exit_code=%s%s", job.job_id, state, code, f" ({error})" if error else ""
         )
         self._schedule()
+
+    async def _unpack(
+        self, job: JobRecord, workdir: Path
+    ) -> tuple[ControllerJobState, int | None, str | None] | None:
+        """Unpack the job's workspace bundle into its working directory; the job's failure if not."""
+        if job.bundle is None:
+            return None
+        try:
+            await asyncio.to_thread(self.host.bundles.unpack_into, job.bundle, workdir)
+        except (BundleError, OSError) as exc:
+            log.warning("job %s: cannot unpack bundle %s: %s", job.job_id, job.bundle[:12], exc)
+            return ControllerJobState.FAILED, None, f"cannot unpack the workspace bundle: {exc}"
+        return None
 
     async def _spawn_and_wait(
         self, job: JobRecord, run: _Run, log_fd: int, workdir: Path

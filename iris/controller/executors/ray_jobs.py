@@ -37,6 +37,7 @@ from ray.core.generated import autoscaler_pb2 as _autoscaler_pb2
 from ray.core.generated import autoscaler_pb2_grpc as _autoscaler_pb2_grpc
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
+from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, BackendUnreachable, JobHost
@@ -54,6 +55,8 @@ T = TypeVar("T")
 
 POLL_INTERVAL_S = 0.5
 CALL_TIMEOUT_S = 5.0
+# A submission with a working_dir uploads it to Ray first (up to the bundle limit, 25 MiB).
+UPLOAD_TIMEOUT_S = 60.0
 # No successful read of Ray for this long (a wedged poll) counts as unreachable too.
 STALE_AFTER_S = 10.0
 LOG_REFRESH_S = 0.5
@@ -63,6 +66,7 @@ MIB = 1 << 20
 # Ray's Jobs client lets these variables override the address it is given; each backend names its
 # own cluster, so the controller must not inherit them.
 _ADDRESS_OVERRIDES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+_IGNORE_GITIGNORE = "RAY_RUNTIME_ENV_IGNORE_GITIGNORE"
 _GRPC_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000), ("grpc.initial_reconnect_backoff_ms", 200)]
 _DEAD = autoscaler_pb2.NodeStatus.Value("DEAD")
 _DRAINING = autoscaler_pb2.NodeStatus.Value("DRAINING")
@@ -134,7 +138,9 @@ class _JobsClient(JobSubmissionClient):
         super().__init__(address)
 
     def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> requests.Response:
-        kwargs.setdefault("timeout", self._timeout_s)
+        # A package upload (a job's working_dir) carries up to a whole bundle.
+        upload = method == "PUT" and endpoint.startswith("/api/packages/")
+        kwargs.setdefault("timeout", UPLOAD_TIMEOUT_S if upload else self._timeout_s)
         response: requests.Response = super()._do_request(method, endpoint, **kwargs)
         return response
 
@@ -173,6 +179,9 @@ class RayBackend(Backend):
         for var in _ADDRESS_OVERRIDES:
             if os.environ.pop(var, None) is not None:
                 log.warning("ignoring %s: Ray backend %s uses %s", var, config.id, config.address)
+        # A bundle is already filtered by the submitter's ignore files (iris.bundle): Ray must ship
+        # all of it, including what a shipped .gitignore would name (re-included by .irisignore).
+        os.environ[_IGNORE_GITIGNORE] = "1"
         self.address = config.address
         self.gcs_address = config.ray_gcs_address
         self.tokens = sorted(config.devices)
@@ -296,7 +305,13 @@ class RayBackend(Backend):
             self._jobs_client = _JobsClient(self.address, CALL_TIMEOUT_S)
         return self._jobs_client
 
-    async def _call(self, fn: Callable[[_JobsClient], T], pool: ThreadPoolExecutor | None = None) -> T:
+    async def _call(
+        self,
+        fn: Callable[[_JobsClient], T],
+        pool: ThreadPoolExecutor | None = None,
+        *,
+        timeout_s: float = CALL_TIMEOUT_S,
+    ) -> T:
         """``fn(client)`` on the pool; RayUnreachable / RayRefused for what Ray does or does not say."""
 
         def run() -> T:
@@ -310,7 +325,7 @@ class RayBackend(Backend):
 
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(pool or self._pool, run), CALL_TIMEOUT_S + 2)
+            return await asyncio.wait_for(loop.run_in_executor(pool or self._pool, run), timeout_s + 2)
         except TimeoutError:
             raise RayUnreachable(f"Ray Jobs API at {self.address} did not answer in time") from None
 
@@ -446,6 +461,18 @@ class RayBackend(Backend):
             "IRIS_REPLICA_INDEX": "0",
             "IRIS_NUM_REPLICAS": str(len(job.tasks)),
         }
+        runtime_env: dict[str, Any] = {"env_vars": env}
+        if job.bundle is not None:
+            try:
+                # Ray packs this directory into its own store (once per content) and runs the
+                # entrypoint in a copy of it on the node: the job's working directory.
+                workdir = await asyncio.to_thread(self.host.bundles.unpacked, job.bundle)
+            except (BundleError, OSError) as exc:
+                self._finish(
+                    tracked, ControllerJobState.FAILED, None, f"cannot unpack the workspace bundle: {exc}"
+                )
+                return
+            runtime_env["working_dir"] = str(workdir)
         try:
             await self._call(
                 lambda c: c.submit_job(
@@ -454,9 +481,10 @@ class RayBackend(Backend):
                     entrypoint_resources=resources or None,
                     entrypoint_num_cpus=cpus or None,
                     entrypoint_memory=memory or None,
-                    runtime_env={"env_vars": env},
+                    runtime_env=runtime_env,
                     metadata={"iris_job_id": job.job_id, "iris_run_id": job.run_id},
-                )
+                ),
+                timeout_s=UPLOAD_TIMEOUT_S if job.bundle is not None else CALL_TIMEOUT_S,
             )
         except RayRefused as exc:
             tracked.fresh = False

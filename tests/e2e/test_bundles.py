@@ -1,0 +1,379 @@
+"""The user's code travels with the job (SPEC §12, issue 13): the seed's examples, as printed.
+
+A workspace here is a directory holding ``my_training_script.py``, which imports a sibling module,
+reads a data file and prints what it was shipped; ignored files sit beside it. Every job runs on the
+real stack (``tests/stack.py``): the CLI as a subprocess in that directory, the SDK as the seed
+writes it, the controllers as real processes, and, for one test, a peer on a real Ray head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+from stack import Stack, wait_until
+
+from iris import bundle as bundles
+from iris import devstack
+from iris.controller.client import ControllerClient
+from iris.controller.errors import InvalidArgument, NotFound, Unauthenticated
+from iris.jobs import JobState
+from iris.objectstore import open_store
+
+SCRIPT = """\
+import os
+
+shipped = sorted(
+    os.path.relpath(os.path.join(d, f), ".").replace(os.sep, "/")
+    for d, _, names in os.walk(".")
+    for f in names
+)
+import helper  # a sibling module of the workspace
+
+print(helper.greeting())
+with open("data/config.txt") as f:
+    print("config:", f.read().strip())
+print("files:", ",".join(shipped))
+print("cluster:", os.environ["IRIS_CLUSTER"])
+"""
+SHIPPED = ".gitignore,.irisignore,data/config.txt,helper.py,keep.ckpt,my_training_script.py"
+MAX_HISTORY_BYTES = 64 * 1024
+
+
+def make_workspace(root: Path, marker: str | None = None) -> tuple[Path, str]:
+    """A workspace with code, data and things that must not travel; returns it and its marker."""
+    marker = marker or uuid.uuid4().hex
+    files = {
+        "my_training_script.py": SCRIPT,
+        "helper.py": f"def greeting():\n    return 'hello from helper {marker}'\n",
+        "data/config.txt": f"lr=3e-4 {marker}\n",
+        ".gitignore": "*.ckpt\nsecret.txt\nbig/\n",
+        ".irisignore": "notes.md\n!keep.ckpt\n",
+        "keep.ckpt": "re-included by .irisignore\n",
+        "model.ckpt": "ignored by .gitignore\n",
+        "secret.txt": "ignored by .gitignore\n",
+        "notes.md": "ignored by .irisignore\n",
+        "big/blob.bin": "x" * 1000,
+        ".venv/bin/python": "never shipped\n",
+        ".git/HEAD": "ref: refs/heads/main\n",
+        "__pycache__/helper.cpython-311.pyc": "never shipped\n",
+        ".data/dev/state": "never shipped\n",
+    }
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root, marker
+
+
+def expected_output(marker: str, cluster: str) -> str:
+    return f"hello from helper {marker}\nconfig: lr=3e-4 {marker}\nfiles: {SHIPPED}\ncluster: {cluster}\n"
+
+
+async def history_json(stack: Stack, job_id: str) -> str:
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    return history.to_json()
+
+
+async def visible_states(stack: Stack, job_id: str) -> list[str]:
+    """Every value the job gave its IrisState search attribute (what the Web UI filters on)."""
+    history = await stack.client.get_workflow_handle(job_id).fetch_history()
+    states = []
+    for event in history.events:
+        if event.HasField("upsert_workflow_search_attributes_event_attributes"):
+            fields = event.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+            if "IrisState" in fields:
+                states.append(json.loads(fields["IrisState"].data))
+    return states
+
+
+def bundles_at_home(stack: Stack) -> set[str]:
+    store = stack.config.home_cluster.object_store
+    assert store is not None
+    return set(open_store(store).keys(bundles.HOME_PREFIX + "/"))
+
+
+async def assert_no_bundle_bytes(stack: Stack, job_id: str, marker: str) -> None:
+    text = await history_json(stack, job_id)
+    assert len(text.encode()) < MAX_HISTORY_BYTES, f"{job_id}: history is {len(text)} bytes"
+    assert marker not in text, f"{job_id}: workspace content in its history"
+
+
+def peer_secrets_in(environ: dict[str, str], stack: Stack) -> list[str]:
+    """Names (or values) of any peer cluster's object-store credentials in ``environ``."""
+    found = []
+    for cluster in stack.config.clusters:
+        if cluster.name == stack.config.home:
+            continue
+        for name, value in devstack.store_credentials(stack.config, cluster.name).items():
+            if name in environ or value in environ.values():
+                found.append(f"{cluster.name}:{name}")
+    return found
+
+
+async def test_the_seeds_cli_examples_run_the_users_script_on_a_peer_pinned_and_at_home(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    spilled = await stack.cli(
+        "job", "run", "--device-type=h100", "--gpu-count=8", "my_training_script.py", cwd=ws
+    )
+    assert spilled.code == 0, spilled.stderr
+    job_id, _, output = spilled.stdout.partition("\n")
+    status = await stack.iris.describe(job_id)
+    assert status.cluster in {"cw-us-east-02a", "cw-rno2a"}, status.reason
+    assert output == expected_output(marker, status.cluster)
+    assert status.spec is not None and status.spec.command == ["python", "my_training_script.py"]
+    assert "bundle sha256:" in spilled.stderr  # the CLI says what it ships
+
+    pinned = await stack.cli(
+        "job", "run", "--target-cluster=cw-us-east-02a", "--device-type=h100", "--gpu-count=8",
+        "my_training_script.py", cwd=ws,
+    )  # fmt: skip
+    assert pinned.code == 0, pinned.stderr
+    pinned_id, _, output = pinned.stdout.partition("\n")
+    assert output == expected_output(marker, "cw-us-east-02a")
+
+    home = await stack.cli("job", "run", "my_training_script.py", cwd=ws)
+    assert home.code == 0, home.stderr
+    home_id, _, output = home.stdout.partition("\n")
+    assert output == expected_output(marker, "marin")
+    assert (await stack.iris.describe(home_id)).cluster == "marin"
+
+    for jid in (job_id, pinned_id, home_id):
+        await assert_no_bundle_bytes(stack, jid, marker)
+        # BUILDING is a state of its own: in the job's events and in the state the Web UI shows.
+        st = await stack.iris.describe(jid)
+        assert any(
+            e.state is JobState.BUILDING and "Staging workspace bundle" in e.message for e in st.events
+        )
+        assert "BUILDING" in await visible_states(stack, jid)
+    described = await stack.cli("job", "describe", pinned_id)
+    assert "BUILDING" in described.stdout and "uploaded to cw-us-east-02a" in described.stdout
+    assert not peer_secrets_in(dict(os.environ), stack), "the home worker's process holds a peer secret"
+
+
+async def test_the_seeds_sdk_example_runs_the_users_script(stack: Stack, tmp_path: Path) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    program = (
+        "from iris.client import IrisClient\n"
+        "client = IrisClient(cluster='marin')\n"
+        "job_id = client.submit(script='my_training_script.py', device_type='h100', gpu_count=8)\n"
+        "print(f'Submitted job {job_id}')\n"
+        "status = client.wait(job_id, timeout_s=120)\n"
+        "print(status.state.value, status.cluster)\n"
+        "print(client.logs(job_id).data, end='')\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", program, cwd=ws, env=stack.cli_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().split("\n", 2)
+    assert lines[0].startswith("Submitted job ")
+    state, cluster = lines[1].split()
+    assert state == "SUCCEEDED" and cluster in {"cw-us-east-02a", "cw-rno2a"}
+    assert lines[2] == expected_output(marker, cluster)
+    await assert_no_bundle_bytes(stack, lines[0].removeprefix("Submitted job "), marker)
+
+
+async def test_a_ray_peer_runs_the_bundle_as_its_working_dir(ray_stack: Stack, tmp_path: Path) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    job_id = await ray_stack.iris.submit(
+        script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8, target_cluster="cw-rno2a"
+    )
+    final = await ray_stack.iris.wait(job_id, timeout_s=180)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert (await ray_stack.iris.logs(job_id)).data == expected_output(marker, "cw-rno2a")
+    assert any(e.state is JobState.BUILDING for e in final.events)
+    await assert_no_bundle_bytes(ray_stack, job_id, marker)
+
+
+async def test_cluster_option_selects_the_home_and_refuses_other_names(stack: Stack) -> None:
+    ok = await stack.cli("--cluster=marin", "rpc", "controller", "list-peers")
+    assert ok.code == 0, ok.stderr
+    peers = {p["peer_id"]: p for p in json.loads(ok.stdout)["peers"]}
+    assert set(peers) == {"marin", "cw-us-east-02a", "cw-rno2a"}
+    backend = peers["cw-us-east-02a"]["backends"][0]
+    assert backend["advertised_attributes"]["device-variant"] == ["h100"]
+    assert set(backend["availability"]) >= {"amounts", "held_by_band"}
+
+    for name, words in (("nowhere", "unknown cluster 'nowhere'"), ("cw-rno2a", "--cluster=marin")):
+        res = await stack.cli(f"--cluster={name}", "rpc", "controller", "list-peers")
+        assert res.code == 2 and res.stdout == ""
+        assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr, res.stderr
+
+
+async def test_a_workspace_over_the_limit_is_refused_before_anything_starts(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, _ = make_workspace(tmp_path / "ws")
+    for name, size in (("weights/big.bin", 30 * bundles.MIB), ("data/shard.bin", 2 * bundles.MIB)):
+        (ws / name).parent.mkdir(parents=True, exist_ok=True)
+        with (ws / name).open("wb") as f:
+            f.truncate(size)  # sparse: no disk used, still 30 MiB to ship
+    before = await asyncio.to_thread(bundles_at_home, stack)
+    res = await stack.cli("job", "run", "--job-name", "too-large", "my_training_script.py", cwd=ws)
+    assert res.code == 2, res.stderr
+    line = res.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "32.0 MiB" in line and "25.0 MiB limit" in line, line
+    assert line.index("weights/big.bin (30.0 MiB)") < line.index("data/shard.bin (2.0 MiB)"), line
+    assert (await stack.cli("job", "describe", "tester/too-large")).code == 3  # never started
+    assert await asyncio.to_thread(bundles_at_home, stack) == before
+
+    # A script the workspace does not ship is refused too, naming it.
+    missing = await stack.cli(
+        "job", "run", "--job-name", "no-script", "train.py", cwd=tmp_path / "ws" / "data"
+    )
+    assert missing.code == 2 and "train.py is not in the workspace" in missing.stderr, missing.stderr
+
+
+async def test_an_unchanged_workspace_is_stored_and_sent_once_and_an_empty_one_not_at_all(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    proxy = stack.proxies["cw-us-east-02a"]
+    ids = [
+        await stack.iris.submit(
+            script="my_training_script.py",
+            workdir=ws,
+            device_type="h100",
+            gpu_count=8,
+            target_cluster="cw-us-east-02a",
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    finals = [await stack.iris.wait(job_id, timeout_s=120) for job_id in ids]
+    assert all(f.state is JobState.SUCCEEDED for f in finals), [f.reason for f in finals]
+    spec = finals[0].spec
+    assert spec is not None and spec.bundle is not None
+    assert finals[1].spec is not None and finals[1].spec.bundle == spec.bundle  # same content, same id
+    assert proxy.requests[f"PUT /v1/bundles/{spec.bundle.sha256}"] == 1
+    # Submitted together, staged together: one upload, which the other job waited for.
+    staged = sorted([e.message for e in f.events if e.state is JobState.BUILDING][-1] for f in finals)
+    assert staged == [
+        f"workspace bundle {spec.bundle.short} already on cw-us-east-02a",
+        f"workspace bundle {spec.bundle.short} uploaded to cw-us-east-02a",
+    ]
+    # Submitted again later: stored at home once, and not sent again.
+    again = await stack.iris.submit(
+        script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
+        target_cluster="cw-us-east-02a",
+    )  # fmt: skip
+    final = await stack.iris.wait(again, timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert f"workspace bundle {spec.bundle.short} already on cw-us-east-02a" in [
+        e.message for e in final.events
+    ]
+    assert proxy.requests[f"PUT /v1/bundles/{spec.bundle.sha256}"] == 1
+    assert (await stack.iris.logs(again)).data == expected_output(marker, "cw-us-east-02a")
+    assert bundles.home_key(spec.bundle.sha256) in await asyncio.to_thread(bundles_at_home, stack)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    job_id = await stack.iris.submit(["echo", "nothing shipped"], workdir=empty)
+    final = await stack.iris.wait(job_id, timeout_s=60)
+    assert final.state is JobState.SUCCEEDED and final.spec is not None and final.spec.bundle is None
+    assert not any(e.state is JobState.BUILDING for e in final.events)
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+async def test_a_peer_stores_only_bundles_that_match_their_id_and_are_safe(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, _ = make_workspace(tmp_path / "ws")
+    good = bundles.pack(ws)
+    assert good is not None
+    info = tarfile.TarInfo("../../escape.sh")
+    info.size = 3
+    escape = _tar([(info, b"hi\n")])
+    link = tarfile.TarInfo("keys")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+    linked = _tar([(link, b"")])
+    async with ControllerClient.for_cluster(stack.config, "cw-rno2a") as peer:
+        # Bytes that do not hash to the id they are sent under.
+        with pytest.raises(InvalidArgument, match="do not hash"):
+            await peer.put_bundle(bundles.digest(b"something else"), good.data)
+        # Correctly hashed, but not a safe bundle.
+        for data, why in ((escape, "not a relative path"), (linked, "not a regular file"), (b"junk", "gzip")):
+            with pytest.raises(InvalidArgument, match=why):
+                await peer.put_bundle(bundles.digest(data), data)
+            with pytest.raises(NotFound):
+                await peer.bundle_info(bundles.digest(data))
+        with pytest.raises(InvalidArgument):
+            await peer.bundle_info("not-a-sha")
+    # Nobody but a trusted cluster may store one.
+    async with ControllerClient(stack.config.cluster("cw-rno2a").url) as anonymous:
+        with pytest.raises(Unauthenticated):
+            await anonymous.put_bundle(good.ref.sha256, good.data)
+
+
+async def test_a_handoff_whose_replies_are_lost_uploads_once_and_runs_once(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    proxy = stack.proxies["cw-us-east-02a"]
+    proxy.lose_replies["PUT /v1/bundles/"] += 1
+    proxy.lose_replies["POST /v1/jobs"] += 1
+    lost = proxy.lost_replies
+    try:
+        job_id = await stack.iris.submit(
+            script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
+            target_cluster="cw-us-east-02a",
+        )  # fmt: skip
+        final = await stack.iris.wait(job_id, timeout_s=120)
+    finally:
+        proxy.lose_replies.clear()
+    assert proxy.lost_replies == lost + 2, "both replies were lost"
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert final.spec is not None and final.spec.bundle is not None
+    assert proxy.requests[f"PUT /v1/bundles/{final.spec.bundle.sha256}"] == 1
+    async with ControllerClient.for_cluster(stack.config, "cw-us-east-02a") as peer:
+        assert (await peer.status(job_id)).attempts == 1
+    assert (await stack.iris.logs(job_id)).data == expected_output(marker, "cw-us-east-02a")
+
+
+async def test_a_peer_restarted_between_upload_and_launch_still_runs_the_job(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    proxy = stack.proxies["cw-us-east-02a"]
+    peer = stack.services["controller cw-us-east-02a"]
+    proxy.down_after = "PUT /v1/bundles/"
+    try:
+        job_id = await stack.iris.submit(
+            script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
+            target_cluster="cw-us-east-02a",
+        )  # fmt: skip
+
+        async def uploaded_and_down() -> bool:
+            return proxy.down
+
+        await wait_until(uploaded_and_down, timeout=60, what="the bundle upload")
+        await asyncio.to_thread(peer.stop)
+        peer.start()
+        await asyncio.to_thread(peer.wait_ready, 60)
+    finally:
+        proxy.down_after = None
+        proxy.down = False
+    final = await stack.iris.wait(job_id, timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert final.spec is not None and final.spec.bundle is not None
+    assert proxy.requests[f"PUT /v1/bundles/{final.spec.bundle.sha256}"] == 1
+    assert (await stack.iris.logs(job_id)).data == expected_output(marker, "cw-us-east-02a")
