@@ -11,12 +11,14 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from iris.config import ConfigError, FederationConfig
+from activities.peers import controller_client
+from iris.config import FederationConfig
 from iris.controller.artifacts import ArtifactReport
-from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError
 
 __all__ = ["ArtifactActivities", "ArtifactInput", "ArtifactReport"]
+
+_BATCH = 128
 
 
 class ArtifactInput(BaseModel):
@@ -29,27 +31,26 @@ class ArtifactActivities:
         self._config = config
         self._timeout = request_timeout_s
 
-    def _client(self, cluster: str) -> ControllerClient:
-        try:
-            # Signed as the home cluster when the destination requires it (SPEC §7).
-            return ControllerClient.for_cluster(self._config, cluster, timeout=self._timeout)
-        except KeyError:
-            raise ApplicationError(f"unknown cluster {cluster!r}", non_retryable=True) from None
-        except ConfigError as exc:
-            raise ApplicationError(f"cannot sign requests to {cluster}: {exc}", non_retryable=True) from None
-
     @activity.defn
     async def check_artifacts(self, inp: ArtifactInput) -> ArtifactReport:
         """Ask the destination's controller which declared artifacts it cannot read.
 
         Its outages (and its store's) are raised and retried; a refusal is final.
         """
+        missing: list[str] = []
+        reasons: list[str] = []
         try:
-            async with self._client(inp.cluster) as client:
-                return await client.check_artifacts(inp.uris)
+            async with controller_client(self._config, inp.cluster, self._timeout) as client:
+                # In batches: a job may declare 1024 URIs of 1024 characters, more than one request
+                # body may carry.
+                for start in range(0, len(inp.uris), _BATCH):
+                    report = await client.check_artifacts(inp.uris[start : start + _BATCH])
+                    missing += report.missing
+                    reasons += report.reasons
         except ControllerError as exc:
             if exc.retryable:
                 raise
             raise ApplicationError(
                 f"{inp.cluster} refused the artifact check: {exc.message}", exc.code, non_retryable=True
             ) from None
+        return ArtifactReport(missing=missing, reasons=reasons)

@@ -60,6 +60,17 @@ class StageResult(BaseModel):
     uploaded: bool
 
 
+def controller_client(config: FederationConfig, cluster: str, timeout_s: float) -> ControllerClient:
+    """A client of ``cluster``'s controller, signed as the home cluster when it requires it (SPEC
+    §7); a non-retryable error for an unknown cluster or an unusable key."""
+    try:
+        return ControllerClient.for_cluster(config, cluster, timeout=timeout_s)
+    except KeyError:
+        raise ApplicationError(f"unknown cluster {cluster!r}", non_retryable=True) from None
+    except ConfigError as exc:
+        raise ApplicationError(f"cannot sign requests to {cluster}: {exc}", non_retryable=True) from None
+
+
 class PeerActivities:
     def __init__(
         self,
@@ -78,13 +89,7 @@ class PeerActivities:
         self._staging: dict[tuple[str, str], asyncio.Task[bool]] = {}
 
     def _client(self, cluster: str) -> ControllerClient:
-        try:
-            # Signed as the home cluster when the target requires it (SPEC §7).
-            return ControllerClient.for_cluster(self._config, cluster, timeout=self._timeout)
-        except KeyError:
-            raise ApplicationError(f"unknown cluster {cluster!r}", non_retryable=True) from None
-        except ConfigError as exc:
-            raise ApplicationError(f"cannot sign requests to {cluster}: {exc}", non_retryable=True) from None
+        return controller_client(self._config, cluster, self._timeout)
 
     @activity.defn
     async def fetch_reports(self) -> FederationView:

@@ -104,12 +104,15 @@ def run_command(
         bool, typer.Option("--no-workdir", help="Ship no workspace: the command runs in an empty directory.")
     ] = False,
 ) -> None:
-    """Submit a job: `iris job run --device-type h100 --gpu-count 8 train.py`.
+    """Submit a job: `iris job run --device-type=h100 --gpu-count=8 my_training_script.py`.
 
-    The job runs in a copy of the current directory (or --workdir), packed into a content-addressed
-    bundle of at most 25 MiB: .gitignore and .irisignore are honoured, .venv, .git, __pycache__ and
-    .data are never shipped. A first argument ending in .py runs with `python` (the first on the PATH
-    of the cluster that runs the job); name an interpreter to choose another (`python3.12 train.py`).
+    The job runs in a copy of the current directory (or --workdir DIR), at most 25 MiB of files.
+
+    .gitignore and .irisignore are honoured; .venv, .git, __pycache__ and .data are never shipped.
+
+    A first argument ending in .py runs as `python FILE`, the first python on the running cluster's PATH.
+
+    Name an interpreter to choose another: `python3.12 train.py`. --no-workdir ships nothing.
     """
     try:
         spec, bundle = prepare_submission(

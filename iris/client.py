@@ -42,6 +42,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from iris.bundle import Bundle, BundleError, BundleRef, contains, home_key, pack, store_at_home
 from iris.config import ConfigError, FederationConfig, load_config
+from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
 from iris.controller.models import LogChunk, validate_job_id
 from iris.jobs import (
     JOB_WORKFLOW_TYPE,
@@ -75,7 +76,6 @@ MAX_COMMAND_BYTES = 64 * 1024
 # Limits of the controller API (LaunchRequest): refused at submit, not at handoff.
 MAX_COMMAND_ARGS = 4096
 MAX_USER_CHARS = 256
-MAX_ARTIFACTS = 1024
 MAX_ATTRIBUTE_CHARS = 128
 # An Update whose workflow task the server failed (e.g. a signal landed while the task completed
 # the run: UNHANDLED_COMMAND) was never accepted; it is sent again, with the same update id.
@@ -235,9 +235,10 @@ def build_spec(
     if isinstance(artifacts, str) or len(artifacts) > MAX_ARTIFACTS:
         raise InvalidJob(f"artifacts must be a list of at most {MAX_ARTIFACTS} URIs")
     for uri in artifacts:
-        if not isinstance(uri, str) or not _ARTIFACT_RE.fullmatch(uri):
+        if not isinstance(uri, str) or len(uri) > MAX_URI_CHARS or not _ARTIFACT_RE.fullmatch(uri):
             raise InvalidJob(
-                f"invalid artifact URI {str(uri)[:80]!r}: expected gs://bucket/path or s3://bucket/path"
+                f"invalid artifact URI {str(uri)[:80]!r}: expected gs://bucket/path or "
+                f"s3://bucket/path, at most {MAX_URI_CHARS} characters"
             )
     job_env = dict(env or {})
     for key, value in job_env.items():

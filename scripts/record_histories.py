@@ -209,6 +209,32 @@ async def outage_parked_cancelled(stack: Stack) -> str:
     return job_id
 
 
+async def bundled_handed_off(stack: Stack) -> str:
+    # A workspace bundle: stored at home, staged on the peer (BUILDING), then handed off.
+    workspace = Path(tempfile.mkdtemp(prefix="iris-hist-ws-"))
+    try:
+        (workspace / "train.py").write_text("import helper\nprint(helper.LOSS)\n")
+        (workspace / "helper.py").write_text("LOSS = 2.31\n")
+        job_id = await _submit(stack, "bundled", ["train.py"], workdir=workspace, **H100)
+        await _state(stack, job_id, JobState.SUCCEEDED)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+    return job_id
+
+
+async def launch_reply_lost(stack: Stack) -> str:
+    # The peer accepts the launch and runs the job; its reply is lost. The repeated launch finds the
+    # job ended, and its output is relayed home before the job is reported (TERMINAL_LAUNCH_PATCH).
+    proxy = stack.proxies["cw-rno2a"]
+    proxy.lose_replies["POST /v1/jobs"] += 1
+    try:
+        job_id = await _submit(stack, "reply-lost", ["echo", "once"], target_cluster="cw-rno2a")
+        await _state(stack, job_id, JobState.SUCCEEDED)
+    finally:
+        proxy.lose_replies.clear()
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -232,6 +258,8 @@ SCENARIOS = [
     Scenario("parked_replayed", parked_replayed),
     Scenario("deadline_unschedulable", deadline_unschedulable),
     Scenario("outage_parked_cancelled", outage_parked_cancelled, alone=True),
+    Scenario("bundled_handed_off", bundled_handed_off),
+    Scenario("launch_reply_lost", launch_reply_lost, alone=True),
 ]
 MANAGER = "placement_manager"
 

@@ -22,7 +22,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from cli.ops import replay_histories, workflow_type_of
-from workflows.job import LOCAL_STEPS_PATCH, JobWorkflow
+from workflows.job import BUNDLE_PATCH, LOCAL_STEPS_PATCH, TERMINAL_LAUNCH_PATCH, JobWorkflow
 from workflows.placement import PlacementManager
 from workflows.runner import workflow_runner
 
@@ -38,6 +38,8 @@ REQUIRED = {
     "deadline_unschedulable",
     "placement_manager",
 }
+# Paths added later, each behind its own patch: the history must show the patched path was taken.
+PATCHED_PATHS = {"bundled_handed_off": BUNDLE_PATCH, "launch_reply_lost": TERMINAL_LAUNCH_PATCH}
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}
 HISTORY_DIR = Path(__file__).parent / "histories"
@@ -75,6 +77,14 @@ def test_pre_patch_histories_take_the_unpatched_path() -> None:
         assert LOCAL_STEPS_PATCH not in patches(path), f"{path.name} was recorded with the patch"
     for name in REQUIRED - {"placement_manager"}:
         assert LOCAL_STEPS_PATCH in patches(HISTORY_DIR / f"{name}.json"), f"{name} predates the patch"
+
+
+def test_later_paths_are_recorded_through_their_patches() -> None:
+    for name, patch in PATCHED_PATHS.items():
+        assert patch in patches(HISTORY_DIR / f"{name}.json"), f"{name} did not take {patch}"
+    # The older histories predate both: they keep the unpatched branches replayable.
+    for name in REQUIRED - {"placement_manager"}:
+        assert not patches(HISTORY_DIR / f"{name}.json") & set(PATCHED_PATHS.values()), name
 
 
 @pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)

@@ -45,6 +45,7 @@ print("cluster:", os.environ["IRIS_CLUSTER"])
 """
 SHIPPED = ".gitignore,.irisignore,data/config.txt,helper.py,keep.ckpt,my_training_script.py"
 MAX_HISTORY_BYTES = 64 * 1024
+PINNED = {"device_type": "h100", "gpu_count": 8, "target_cluster": "cw-us-east-02a"}
 
 
 def make_workspace(root: Path, marker: str | None = None) -> tuple[Path, str]:
@@ -242,16 +243,7 @@ async def test_an_unchanged_workspace_is_stored_and_sent_once_and_an_empty_one_n
 ) -> None:
     ws, marker = make_workspace(tmp_path / "ws")
     proxy = stack.proxies["cw-us-east-02a"]
-    ids = [
-        await stack.iris.submit(
-            script="my_training_script.py",
-            workdir=ws,
-            device_type="h100",
-            gpu_count=8,
-            target_cluster="cw-us-east-02a",
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    ids = [await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED) for _ in range(2)]
     finals = [await stack.iris.wait(job_id, timeout_s=120) for job_id in ids]
     assert all(f.state is JobState.SUCCEEDED for f in finals), [f.reason for f in finals]
     spec = finals[0].spec
@@ -265,10 +257,7 @@ async def test_an_unchanged_workspace_is_stored_and_sent_once_and_an_empty_one_n
         f"workspace bundle {spec.bundle.short} uploaded to cw-us-east-02a",
     ]
     # Submitted again later: stored at home once, and not sent again.
-    again = await stack.iris.submit(
-        script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
-        target_cluster="cw-us-east-02a",
-    )  # fmt: skip
+    again = await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED)
     final = await stack.iris.wait(again, timeout_s=120)
     assert final.state is JobState.SUCCEEDED, final.reason
     assert f"workspace bundle {spec.bundle.short} already on cw-us-east-02a" in [
@@ -333,10 +322,7 @@ async def test_a_handoff_whose_replies_are_lost_uploads_once_and_runs_once(
     proxy.lose_replies["POST /v1/jobs"] += 1
     lost = proxy.lost_replies
     try:
-        job_id = await stack.iris.submit(
-            script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
-            target_cluster="cw-us-east-02a",
-        )  # fmt: skip
+        job_id = await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED)
         final = await stack.iris.wait(job_id, timeout_s=120)
     finally:
         proxy.lose_replies.clear()
@@ -357,10 +343,7 @@ async def test_a_peer_restarted_between_upload_and_launch_still_runs_the_job(
     peer = stack.services["controller cw-us-east-02a"]
     proxy.down_after = "PUT /v1/bundles/"
     try:
-        job_id = await stack.iris.submit(
-            script="my_training_script.py", workdir=ws, device_type="h100", gpu_count=8,
-            target_cluster="cw-us-east-02a",
-        )  # fmt: skip
+        job_id = await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED)
 
         async def uploaded_and_down() -> bool:
             return proxy.down
