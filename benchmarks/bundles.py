@@ -524,7 +524,8 @@ async def e2e_run(
     timeout_s: float,
 ) -> E2ERun:
     name = f"{case.replace(' ', '')}-{run:02d}"
-    t0_ms = time.time() * 1000
+    # Whole milliseconds, like the job's submit_ms and the controller's times.
+    t0_ms = float(time.time_ns() // 1_000_000)
     job_id = await iris.submit(
         list(JOB_COMMAND),
         workdir=workdir,
@@ -679,7 +680,7 @@ def report_e2e(runs: list[E2ERun], cases: list[str]) -> tuple[str, str, dict[str
         for m in MILESTONES:
             vals = [v for v in (r.milestone(m) for r in rs) if v is not None]
             p50 = _stat(vals, 50)
-            out[case]["milestones_p50_ms"][m] = p50
+            out[case]["milestones_p50_ms"][m] = p50 if p50 == p50 else None  # NaN: no such point
             cells.append(p50)
         steps.append(cells)
     main = table(

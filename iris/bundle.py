@@ -33,6 +33,12 @@ MAX_FILES = 10_000
 # The archive itself: the files plus tar headers (512 bytes a file, at worst 5 MiB for 10k files)
 # plus gzip framing. A receiver refuses a larger body before reading it.
 MAX_ARCHIVE_BYTES = MAX_WORKSPACE_BYTES + MAX_FILES * 1024 + MIB
+# The tar stream inside, uncompressed: the files, each padded to 512 bytes, a header each and a pax
+# header for a long name. Nothing decompresses past it (a bundle is hostile until checked).
+
+
+def max_tar_bytes() -> int:
+    return MAX_WORKSPACE_BYTES + MAX_FILES * 3 * 1024 + MIB
 # Directories never shipped, wherever they are: environments, VCS data, caches, iris dev state.
 ALWAYS_SKIPPED = frozenset({".venv", ".git", "__pycache__", ".data"})
 IGNORE_FILES = (".gitignore", ".irisignore")
@@ -42,6 +48,7 @@ _MTIME = 1_000_000_000
 _COMPRESSLEVEL = 3
 HOME_PREFIX = "iris-bundles"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class BundleError(ValueError):
@@ -121,10 +128,25 @@ class _Ignores:
         verdict = False
         for base, spec in self._specs:
             sub = rel[len(base) + 1 :] if base else rel
-            result = spec.check_file(sub + "/" if is_dir else sub)
-            if result.include is not None:
-                verdict = result.include
+            result = _dir_verdict(spec, sub) if is_dir else spec.check_file(sub).include
+            if result is not None:
+                verdict = result
         return verdict
+
+
+def _dir_verdict(spec: pathspec.GitIgnoreSpec, sub: str) -> bool | None:
+    """Whether ``spec`` ignores the directory ``sub`` (None: it does not say). pathspec matches
+    files; for a directory, git lets the last matching pattern win, where a pattern ending in ``/``
+    names directories (``!*/``) and any other names the path itself (``logs/**`` names what is in
+    logs, not logs)."""
+    verdict = None
+    for pattern in spec.patterns:
+        if pattern.include is None:
+            continue
+        text = str(pattern.pattern).rstrip()
+        if pattern.match_file(sub + "/" if text.endswith("/") else sub) is not None:
+            verdict = pattern.include
+    return verdict
 
 
 def _scan(root: Path) -> Iterator[_Entry]:
@@ -172,9 +194,14 @@ def _scan(root: Path) -> Iterator[_Entry]:
     yield from walk(root, "", _Ignores())
 
 
+def printable(name: str) -> str:
+    """A name as one line: control characters escaped (a file may be called ``a\nb``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", name)
+
+
 def _too_large(root: Path, entries: list[_Entry], total: int) -> BundleError:
     largest = sorted(entries, key=lambda e: (-e.size, e.name))[:5]
-    names = ", ".join(f"{e.name} ({human_size(e.size)})" for e in largest)
+    names = ", ".join(f"{printable(e.name)} ({human_size(e.size)})" for e in largest)
     return BundleError(
         f"workspace {root} is {human_size(total)}, over the {human_size(MAX_WORKSPACE_BYTES)} limit; "
         f"largest: {names} (list what the job does not need in .irisignore, or use --workdir)"
@@ -222,6 +249,9 @@ def pack(root: str | os.PathLike[str]) -> Bundle | None:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
+        tar_bytes = gz.tell() + 2 * tarfile.BLOCKSIZE + tarfile.RECORDSIZE  # the end blocks to come
+    if tar_bytes > max_tar_bytes():
+        raise BundleError(f"workspace {base} has too many files with long names to ship; use --workdir")
     data = buf.getvalue()
     ref = BundleRef(sha256=digest(data), size=len(data), files=len(entries), workspace_bytes=shipped_bytes)
     return Bundle(ref=ref, data=data)
@@ -273,47 +303,75 @@ def _safe_name(name: str) -> bool:
 
 
 def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
-    """Every member, checked one at a time before the next is read (a bomb stops at the limit)."""
-    files = 0
-    total = 0
+    """Every member, checked before the next is read: names, kinds, limits, and a tree that can be
+    made (no name twice, no file where a directory must go)."""
+    entries = files = total = 0
+    kinds: dict[str, bool] = {}  # name -> is a directory
     for member in tar:
-        if not _safe_name(member.name):
-            raise BundleError(f"bundle entry {member.name[:80]!r} is not a relative path inside it")
+        name = member.name.rstrip("/")
+        shown = printable(name[:80])
+        if not _safe_name(name):
+            raise BundleError(f"bundle entry {shown!r} is not a relative path inside it")
         if not (member.isreg() or member.isdir()):
-            raise BundleError(f"bundle entry {member.name[:80]!r} is not a regular file or directory")
+            raise BundleError(f"bundle entry {shown!r} is not a regular file or directory")
+        entries += 1
         if member.isreg():
             files += 1
             total += member.size
-        if files > MAX_FILES:
-            raise BundleError(f"bundle has more than {MAX_FILES} files")
+        if entries > MAX_FILES:
+            raise BundleError(f"bundle has more than {MAX_FILES} files and directories")
         if total > MAX_WORKSPACE_BYTES:
             raise BundleError(f"bundle unpacks to more than {human_size(MAX_WORKSPACE_BYTES)}")
+        parts = PurePosixPath(name).parts
+        for i in range(1, len(parts)):
+            if kinds.setdefault("/".join(parts[:i]), True) is False:
+                raise BundleError(f"bundle entry {shown!r} is inside a file")
+        if name in kinds and (kinds[name] is False or member.isreg()):
+            raise BundleError(f"bundle entry {shown!r} appears twice")
+        kinds[name] = member.isdir()
         yield member
 
 
-def _open_archive(data: bytes) -> tarfile.TarFile:
+def _tar_stream(data: bytes) -> bytes:
+    """The tar inside a gzip'd bundle, decompressed up to MAX_TAR_BYTES and no further; the gzip
+    trailer is checked (a cut, damaged or extended archive is refused)."""
+    if len(data) > MAX_ARCHIVE_BYTES:
+        raise BundleError(f"bundle is larger than {human_size(MAX_ARCHIVE_BYTES)}")
+    inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # gzip framing, CRC and length checked
+    limit = max_tar_bytes()
     try:
-        return tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-        raise BundleError(f"not a gzip-compressed tar archive ({type(exc).__name__})") from None
+        raw = inflate.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise BundleError(f"not a gzip-compressed tar archive ({exc})") from None
+    if len(raw) > limit:
+        raise BundleError(f"bundle decompresses to more than {human_size(limit)}")
+    if not inflate.eof:
+        raise BundleError("bundle archive is truncated")
+    if inflate.unused_data:
+        raise BundleError("bundle archive has data after its end")
+    return raw
+
+
+def _open_archive(raw: bytes) -> tarfile.TarFile:
+    try:
+        return tarfile.open(fileobj=io.BytesIO(raw), mode="r:")
+    except tarfile.TarError as exc:
+        raise BundleError(f"not a tar archive ({type(exc).__name__})") from None
 
 
 def inspect(data: bytes) -> BundleStats:
     """Check an archive received from elsewhere; BundleError if it is not an acceptable bundle."""
-    if len(data) > MAX_ARCHIVE_BYTES:
-        raise BundleError(f"bundle is larger than {human_size(MAX_ARCHIVE_BYTES)}")
+    raw = _tar_stream(data)
     files = total = 0
-    with _open_archive(data) as tar:
+    with _open_archive(raw) as tar:
         try:
             for member in _members(tar):
                 if member.isreg():
+                    if member.offset_data + member.size > len(raw):
+                        raise BundleError(f"bundle entry {printable(member.name[:80])!r} is truncated")
                     files += 1
                     total += member.size
-                    extracted = tar.extractfile(member)
-                    if extracted is not None:  # reading checks the stream really holds the bytes
-                        while extracted.read(MIB):
-                            pass
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        except (tarfile.TarError, EOFError, OSError) as exc:
             raise BundleError(f"bundle archive is corrupt ({type(exc).__name__})") from None
     if files == 0:
         raise BundleError("bundle holds no files")
@@ -324,11 +382,11 @@ def unpack(data: bytes, dest: Path) -> BundleStats:
     """Unpack a bundle into ``dest`` (created if missing), after the same checks as ``inspect``."""
     stats = inspect(data)
     dest.mkdir(parents=True, exist_ok=True)
-    with _open_archive(data) as tar:
+    with _open_archive(_tar_stream(data)) as tar:
         try:
             # The "data" filter refuses links, devices and names outside dest, and drops setuid
             # and group/other write bits, on top of our own checks.
             tar.extractall(dest, members=list(_members(tar)), filter="data")
         except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
-            raise BundleError(f"cannot unpack bundle: {exc}") from None
+            raise BundleError(printable(f"cannot unpack bundle: {exc}")) from None
     return stats

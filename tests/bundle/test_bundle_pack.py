@@ -430,12 +430,6 @@ def test_a_directory_emptied_with_a_star_pattern_can_re_include_a_file(ws: Path)
     assert names(ws) == {".gitignore", "logs/keep.txt"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:124 checks a directory as `rel + '/'` with GitIgnoreSpec; `logs/**` compiles to "
-    "^logs/ which matches 'logs/' itself, so the directory is pruned and `!logs/keep.txt` never "
-    "applies (git ships logs/keep.txt)",
-)
 def test_a_double_star_pattern_does_not_ignore_the_directory_itself(ws: Path) -> None:
     write(ws, ".gitignore", "logs/**\n!logs/keep.txt\n")
     write(ws, "logs/keep.txt")
@@ -443,12 +437,6 @@ def test_a_double_star_pattern_does_not_ignore_the_directory_itself(ws: Path) ->
     assert names(ws) == {".gitignore", "logs/keep.txt"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:124 checks a directory as `rel + '/'` with GitIgnoreSpec, which ranks `!*/` (a "
-    "match through the trailing slash) below `*`; so the whitelist idiom `*`, `!*/`, `!*.py` prunes "
-    "every subdirectory (git ships sub/a.py)",
-)
 def test_the_whitelist_idiom_re_includes_directories_and_their_matching_files(ws: Path) -> None:
     write(ws, ".gitignore", "*\n!*/\n!*.py\n")
     for rel in ("a.py", "a.txt", "sub/b.py", "sub/b.txt"):
@@ -624,11 +612,6 @@ def test_ignored_files_do_not_count_toward_the_file_limit(ws: Path, monkeypatch:
     assert packed(ws).ref.files == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:177 formats entry names with plain f-string interpolation: a file name holding a "
-    "newline makes the 'one line' BundleError span two lines",
-)
 def test_the_size_error_stays_one_line_whatever_the_file_names(ws: Path) -> None:
     sparse(ws, "huge\nname.bin", 26 * MIB)
     with pytest.raises(BundleError) as exc:
@@ -787,12 +770,6 @@ def test_a_truncated_archive_is_refused(tmp_path: Path, incompressible: bytes, f
     assert not (tmp_path / "dest").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:308 inspect stops at tar's first end-of-archive block and never reads the gzip "
-    "stream to its end, so the CRC32/ISIZE trailer is never checked: a cut in the last ~70 bytes, a "
-    "bad CRC or trailing garbage is accepted",
-)
 @pytest.mark.parametrize("damage", ["cut-trailer", "crc-flipped", "trailing-garbage"])
 def test_an_archive_damaged_at_its_end_is_refused(incompressible: bytes, damage: str) -> None:
     data = bytearray(incompressible)
@@ -891,11 +868,6 @@ def test_the_real_archive_limit_refuses_one_byte_more() -> None:
         bundle.inspect(b"\x1f\x8b" + bytes(bundle.MAX_ARCHIVE_BYTES - 1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:284 _members counts only regular files toward MAX_FILES: directory entries are "
-    "unlimited, so a small archive can make unpack create any number of directories",
-)
 def test_directory_entries_count_toward_the_entry_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bundle, "MAX_FILES", 3)
     data = tar_gz(reg("a.py"), *(directory(f"d{i}") for i in range(50)))
@@ -903,12 +875,6 @@ def test_directory_entries_count_toward_the_entry_limit(monkeypatch: pytest.Monk
         bundle.inspect(data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bundle.py:279 only member data is bounded: tarfile reads a pax/GNU long-name header whole "
-    "into memory, so a tiny archive decompresses to far more than MAX_ARCHIVE_BYTES (with the real "
-    "limits, ~36 MiB of gzip can expand to ~36 GiB of headers)",
-)
 def test_an_archive_whose_headers_decompress_beyond_the_limits_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
