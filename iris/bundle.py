@@ -45,7 +45,9 @@ IGNORE_FILES = (".gitignore", ".irisignore")
 # Fixed metadata, so the archive depends on names, contents and the executable bit only. The
 # mtime is not 0: zip (Ray packs a working_dir as one) cannot store times before 1980.
 _MTIME = 1_000_000_000
-_COMPRESSLEVEL = 3
+# Fastest zlib level: packing is on the submit path, and level 1 costs about 2% in size here
+# (docs/BENCHMARKS.md, "Workspace bundles").
+_COMPRESSLEVEL = 1
 HOME_PREFIX = "iris-bundles"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -361,7 +363,10 @@ def _open_archive(raw: bytes) -> tarfile.TarFile:
 
 def inspect(data: bytes) -> BundleStats:
     """Check an archive received from elsewhere; BundleError if it is not an acceptable bundle."""
-    raw = _tar_stream(data)
+    return _check(_tar_stream(data))
+
+
+def _check(raw: bytes) -> BundleStats:
     files = total = 0
     with _open_archive(raw) as tar:
         try:
@@ -380,13 +385,14 @@ def inspect(data: bytes) -> BundleStats:
 
 def unpack(data: bytes, dest: Path) -> BundleStats:
     """Unpack a bundle into ``dest`` (created if missing), after the same checks as ``inspect``."""
-    stats = inspect(data)
+    raw = _tar_stream(data)  # decompressed once: checked, then extracted from memory
+    stats = _check(raw)
     dest.mkdir(parents=True, exist_ok=True)
-    with _open_archive(_tar_stream(data)) as tar:
+    with _open_archive(raw) as tar:
         try:
             # The "data" filter refuses links, devices and names outside dest, and drops setuid
             # and group/other write bits, on top of our own checks.
             tar.extractall(dest, members=list(_members(tar)), filter="data")
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        except (tarfile.TarError, EOFError, OSError) as exc:
             raise BundleError(printable(f"cannot unpack bundle: {exc}")) from None
     return stats
