@@ -39,6 +39,8 @@ MAX_ARCHIVE_BYTES = MAX_WORKSPACE_BYTES + MAX_FILES * 1024 + MIB
 
 def max_tar_bytes() -> int:
     return MAX_WORKSPACE_BYTES + MAX_FILES * 3 * 1024 + MIB
+
+
 # Directories never shipped, wherever they are: environments, VCS data, caches, iris dev state.
 ALWAYS_SKIPPED = frozenset({".venv", ".git", "__pycache__", ".data"})
 IGNORE_FILES = (".gitignore", ".irisignore")
@@ -307,16 +309,15 @@ def _safe_name(name: str) -> bool:
 def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
     """Every member, checked before the next is read: names, kinds, limits, and a tree that can be
     made (no name twice, no file where a directory must go)."""
-    entries = files = total = 0
+    files = total = 0
     kinds: dict[str, bool] = {}  # name -> is a directory
-    for member in tar:
+    for entries, member in enumerate(tar, start=1):
         name = member.name.rstrip("/")
         shown = printable(name[:80])
         if not _safe_name(name):
             raise BundleError(f"bundle entry {shown!r} is not a relative path inside it")
         if not (member.isreg() or member.isdir()):
             raise BundleError(f"bundle entry {shown!r} is not a regular file or directory")
-        entries += 1
         if member.isreg():
             files += 1
             total += member.size
