@@ -20,7 +20,7 @@ from iris.controller.errors import ControllerError, NotFound
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.controller.models import LaunchRequest
 from iris.logrelay import LogRelay
-from iris.objectstore import StoreUnavailable, open_store
+from iris.objectstore import StoreError, StoreUnavailable, open_store
 from iris.reports import FederationView, gather_reports
 
 # Error type names the workflow reacts to; refusals are never retried.
@@ -181,8 +181,8 @@ class PeerActivities:
             data = await asyncio.to_thread(fetch_from_home, open_store(home), ref)
         except StoreUnavailable as exc:
             raise ApplicationError(f"the home object store is unavailable: {exc}") from None
-        except (KeyError, BundleError) as exc:
-            what = "missing from" if isinstance(exc, KeyError) else "damaged in"
+        except (KeyError, BundleError, StoreError) as exc:
+            what = {KeyError: "missing from", BundleError: "damaged in"}.get(type(exc), "unreadable in")
             raise ApplicationError(
                 f"workspace bundle {ref.short} is {what} the home object store",
                 type=BUNDLE_UNAVAILABLE,

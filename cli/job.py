@@ -135,14 +135,12 @@ def run_command(
     except IrisError as exc:
         common.fail(str(exc), exc.exit_code)
 
-    if bundle is not None:
-        where = workdir.resolve()
-        typer.echo(f"workspace {where}: bundle {bundle.ref.describe()}", err=True)
-
     async def go() -> int:
         client = await common.client()
         job_id = await client.submit_spec(spec, bundle)
         typer.echo(job_id)
+        if bundle is not None:
+            typer.echo(f"workspace {workdir.resolve()}: bundle {bundle.ref.describe()}", err=True)
         if no_wait:
             return common.EXIT_OK
 
@@ -240,6 +238,7 @@ def describe_command(
             lines += [
                 f"Submitted by:   {spec.user} at {_clock(spec.submit_ms)}",
                 f"Command:        {shlex.join(spec.command)}",
+                f"Workspace:      {spec.bundle.describe() if spec.bundle else 'none'}",
                 f"Device:         {spec.device_label}   band: {spec.band.label}"
                 + (f"   pinned to: {spec.target_cluster}" if spec.target_cluster else ""),
             ]

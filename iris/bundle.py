@@ -72,7 +72,8 @@ class BundleRef(BaseModel):
         return f"sha256:{self.sha256[:12]}"
 
     def describe(self) -> str:
-        return f"{self.short} ({self.files} file(s), {human_size(self.workspace_bytes)})"
+        files = f"{self.files} file" + ("" if self.files == 1 else "s")
+        return f"{self.short} ({files}, {human_size(self.workspace_bytes)})"
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from iris.jobs import (
     workflow_id,
 )
 from iris.logrelay import LogRelay
-from iris.objectstore import StoreUnavailable, open_store
+from iris.objectstore import StoreError, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.reports import FederationView, config_view
@@ -410,8 +410,10 @@ class AsyncIrisClient:
                     raise InvalidJob(f"workspace bundle {ref.short} is not in the home cluster's store")
                 return False
             return await asyncio.to_thread(store_at_home, store, bundle)
-        except StoreUnavailable as exc:
-            raise Unavailable(f"cannot store the workspace bundle in {home.bucket}: {exc}") from None
+        except StoreError as exc:
+            raise Unavailable(
+                f"cannot store the workspace bundle in the home cluster's store: {exc}"
+            ) from None
 
     async def submit_spec(self, spec: JobSpec, bundle: Bundle | None = None) -> str:
         """Start the job's workflow; its bundle (``spec.bundle``) is stored at home first."""

@@ -19,9 +19,16 @@ from urllib.parse import urlparse
 from iris.config import ObjectStoreConfig
 
 SCHEMES = {"gcs": "gs", "s3": "s3"}
+# One request's time limit, and how long a call keeps retrying transient errors.
+_TIMEOUT_S = 30
+_RETRY_S = 20.0
 
 
-class StoreUnavailable(Exception):
+class StoreError(Exception):
+    """The store refused (no such bucket, no permission); one line, never a credential."""
+
+
+class StoreUnavailable(StoreError):
     """The store did not answer as a store should (outage, throttling): worth a retry."""
 
 
@@ -46,11 +53,14 @@ class _Gcs:
     def __init__(self, store: ObjectStoreConfig) -> None:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
+        from google.cloud.storage.retry import DEFAULT_RETRY
 
         options = {"api_endpoint": store.endpoint} if store.endpoint else None
         # An emulator endpoint takes no credentials; otherwise the process's own service account.
         creds = AnonymousCredentials() if store.endpoint else None  # type: ignore[no-untyped-call]
         self.bucket = store.bucket
+        # Bounded: the library's default retries for up to 120 s, which a CLI must not hang for.
+        self._opts: dict[str, Any] = {"timeout": _TIMEOUT_S, "retry": DEFAULT_RETRY.with_timeout(_RETRY_S)}
         self._bucket = storage.Client(project="iris", credentials=creds, client_options=options).bucket(
             store.bucket
         )
@@ -71,7 +81,7 @@ class _Gcs:
         from google.api_core import exceptions as gexc
 
         try:
-            return bool(self._call(lambda: self._bucket.blob(key).exists()))
+            return bool(self._call(lambda: self._bucket.blob(key).exists(**self._opts)))
         except (gexc.NotFound, gexc.Forbidden):
             return False
 
@@ -79,7 +89,7 @@ class _Gcs:
         from google.api_core import exceptions as gexc
 
         try:
-            return bytes(self._call(lambda: self._bucket.blob(key).download_as_bytes()))
+            return bytes(self._call(lambda: self._bucket.blob(key).download_as_bytes(**self._opts)))
         except gexc.NotFound:
             raise KeyError(key) from None
 
@@ -90,27 +100,38 @@ class _Gcs:
         try:
             # Generation 0 = "only if no live object": GCS's own create-if-absent.
             kwargs = {"if_generation_match": 0} if if_absent else {}
-            self._call(lambda: blob.upload_from_string(data, **kwargs))
+            self._call(lambda: blob.upload_from_string(data, **kwargs, **self._opts))
         except gexc.PreconditionFailed:
             return False
+        except (gexc.NotFound, gexc.Forbidden) as exc:
+            raise StoreError(f"GCS bucket {self.bucket}: {exc.code} {type(exc).__name__}") from None
         return True
 
     def keys(self, prefix: str) -> list[str]:
-        return [
-            b.name
-            for b in self._call(lambda: list(self._bucket.client.list_blobs(self.bucket, prefix=prefix)))
-        ]
+        from google.api_core import exceptions as gexc
+
+        try:
+            blobs = self._call(
+                lambda: list(self._bucket.client.list_blobs(self.bucket, prefix=prefix, **self._opts))
+            )
+        except (gexc.NotFound, gexc.Forbidden) as exc:
+            raise StoreError(f"GCS bucket {self.bucket}: {exc.code} {type(exc).__name__}") from None
+        return [b.name for b in blobs]
 
 
 class _S3:
     def __init__(self, store: ObjectStoreConfig) -> None:
         import boto3
+        from botocore.config import Config
 
         self.bucket = store.bucket
         self._s3: Any = boto3.client(
             "s3",
             endpoint_url=store.endpoint or None,
             region_name="us-east-1",
+            config=Config(
+                connect_timeout=5, read_timeout=_TIMEOUT_S, retries={"max_attempts": 3, "mode": "standard"}
+            ),
             aws_access_key_id=os.environ.get(store.access_key_env) if store.access_key_env else None,
             aws_secret_access_key=os.environ.get(store.secret_key_env) if store.secret_key_env else None,
         )
@@ -156,9 +177,10 @@ class _S3:
         try:
             self._call(lambda: self._s3.put_object(Bucket=self.bucket, Key=key, Body=data, **kwargs))
         except ClientError as exc:
-            if str(exc.response.get("Error", {}).get("Code", "")) in {"PreconditionFailed", "412"}:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in {"PreconditionFailed", "412"}:
                 return False
-            raise
+            raise StoreError(f"S3 bucket {self.bucket}: {code}") from None
         return True
 
     def keys(self, prefix: str) -> list[str]:

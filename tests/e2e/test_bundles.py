@@ -360,3 +360,21 @@ async def test_a_peer_restarted_between_upload_and_launch_still_runs_the_job(
     assert final.spec is not None and final.spec.bundle is not None
     assert proxy.requests[f"PUT /v1/bundles/{final.spec.bundle.sha256}"] == 1
     assert (await stack.iris.logs(job_id)).data == expected_output(marker, "cw-us-east-02a")
+
+
+async def test_a_home_store_that_refuses_the_bundle_is_one_line_and_starts_nothing(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, _ = make_workspace(tmp_path / "ws")
+    cfg = stack.config.model_copy(deep=True)
+    store = cfg.home_cluster.object_store
+    assert store is not None
+    store.bucket = "no-such-bucket"
+    config_file = tmp_path / "clusters.json"
+    config_file.write_text(cfg.model_dump_json())
+    res = await stack.cli(
+        "--config", str(config_file), "job", "run", "--job-name", "no-store", "my_training_script.py", cwd=ws
+    )
+    assert res.code == 4, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "no-such-bucket" in res.stderr, res.stderr
+    assert (await stack.cli("job", "describe", "tester/no-store")).code == 3
