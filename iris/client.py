@@ -279,7 +279,7 @@ def build_spec(
 def python_command(command: Sequence[str]) -> list[str]:
     """``["train.py", ...]`` → ``["python", "train.py", ...]``; anything else unchanged."""
     cmd = list(command)
-    if cmd and cmd[0].endswith(".py") and not cmd[0].startswith("-"):
+    if cmd and isinstance(cmd[0], str) and cmd[0].endswith(".py") and not cmd[0].startswith("-"):
         return ["python", *cmd]
     return cmd
 

@@ -978,4 +978,4 @@ def test_a_bundle_ref_outside_its_bounds_is_refused(override: dict[str, object])
 def test_a_valid_bundle_ref_round_trips_and_describes_itself() -> None:
     ref = BundleRef.model_validate(GOOD_REF)
     assert BundleRef.model_validate_json(ref.model_dump_json()) == ref
-    assert ref.describe() == "sha256:0123456789ab (1 file(s), 0 B)"
+    assert ref.describe() == "sha256:0123456789ab (1 file, 0 B)"

@@ -273,7 +273,8 @@ async def test_the_activity_retries_outages_and_not_refusals(open_controller: Co
     acts = ArtifactActivities(config)
     env = ActivityEnvironment()
     with pytest.raises(ApplicationError) as refused:
-        await env.run(acts.check_artifacts, ArtifactInput(cluster="peer", uris=["s3://b/k"] * 1025))
+        # Any number of URIs is sent (in batches the endpoint takes); one it refuses is final.
+        await env.run(acts.check_artifacts, ArtifactInput(cluster="peer", uris=["s3://b/k" + "x" * 2000]))
     assert refused.value.non_retryable and "peer refused the artifact check" in refused.value.message
     with pytest.raises(ApplicationError) as unknown:
         await env.run(acts.check_artifacts, ArtifactInput(cluster="nowhere", uris=[]))
@@ -281,4 +282,6 @@ async def test_the_activity_retries_outages_and_not_refusals(open_controller: Co
     down = config.model_copy(deep=True)
     down.cluster("peer").port = free_port()  # nobody listens: the controller is unavailable
     with pytest.raises(Unavailable):  # raised as is: Temporal retries it
-        await env.run(ArtifactActivities(down).check_artifacts, ArtifactInput(cluster="peer", uris=[]))
+        await env.run(
+            ArtifactActivities(down).check_artifacts, ArtifactInput(cluster="peer", uris=["s3://b/k"])
+        )

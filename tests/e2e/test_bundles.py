@@ -22,9 +22,10 @@ from stack import Stack, wait_until
 
 from iris import bundle as bundles
 from iris import devstack
+from iris.client import InvalidJob, build_spec
 from iris.controller.client import ControllerClient
 from iris.controller.errors import InvalidArgument, NotFound, Unauthenticated
-from iris.jobs import JobState
+from iris.jobs import JOB_WORKFLOW_TYPE, JobState, JobStatus, start_search_attributes
 from iris.objectstore import open_store
 
 SCRIPT = """\
@@ -93,6 +94,14 @@ async def visible_states(stack: Stack, job_id: str) -> list[str]:
             if "IrisState" in fields:
                 states.append(json.loads(fields["IrisState"].data))
     return states
+
+
+async def wait_state(stack: Stack, job_id: str, state: JobState, timeout: float = 90) -> JobStatus:
+    async def reached() -> bool:
+        return (await stack.iris.describe(job_id)).state is state
+
+    await wait_until(reached, timeout=timeout, what=f"{job_id} in {state.value}")
+    return await stack.iris.describe(job_id)
 
 
 def bundles_at_home(stack: Stack) -> set[str]:
@@ -378,3 +387,49 @@ async def test_a_home_store_that_refuses_the_bundle_is_one_line_and_starts_nothi
     assert res.code == 4, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "no-such-bucket" in res.stderr, res.stderr
     assert (await stack.cli("job", "describe", "tester/no-store")).code == 3
+
+
+async def test_a_bundle_lost_from_the_home_store_parks_the_job_until_an_operator_restores_it(
+    stack: Stack, tmp_path: Path
+) -> None:
+    ws, marker = make_workspace(tmp_path / "ws")
+    packed = bundles.pack(ws)
+    assert packed is not None
+    spec = build_spec(
+        ["python", "my_training_script.py"], name=f"lost-{marker[:8]}", bundle=packed.ref, **PINNED
+    )
+    # The SDK refuses to start a job whose bundle the home store does not hold...
+    with pytest.raises(InvalidJob, match="not in the home cluster's store"):
+        await stack.iris.submit_spec(spec)
+    # ...so start the workflow as a job whose bundle vanished after submit would look.
+    await stack.client.start_workflow(
+        JOB_WORKFLOW_TYPE,
+        spec,
+        id=spec.job_id,
+        task_queue=stack.config.temporal.task_queue,
+        search_attributes=start_search_attributes(spec),
+    )
+    parked = await wait_state(stack, spec.job_id, JobState.HANDOFF_FAILED)
+    assert parked.reason == f"workspace bundle {packed.ref.short} is missing from the home object store"
+    assert parked.handoff_attempts == 0  # never launched
+    await stack.iris.store_bundle(packed.ref, packed)  # the operator restores it, then replays
+    await stack.iris.replay_handoff(spec.job_id)
+    final = await stack.iris.wait(spec.job_id, timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert (await stack.iris.logs(spec.job_id)).data == expected_output(marker, "cw-us-east-02a")
+
+
+async def test_a_bundle_the_peer_refuses_ends_the_job_handoff_rejected(stack: Stack) -> None:
+    link = tarfile.TarInfo("keys")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc"
+    data = _tar([(link, b"")])
+    ref = bundles.BundleRef(sha256=bundles.digest(data), size=len(data), files=1, workspace_bytes=0)
+    store = stack.config.home_cluster.object_store
+    assert store is not None
+    await asyncio.to_thread(open_store(store).put, bundles.home_key(ref.sha256), data)
+    spec = build_spec(["true"], name=f"hostile-{ref.sha256[:8]}", bundle=ref, **PINNED)
+    job_id = await stack.iris.submit_spec(spec)
+    final = await stack.iris.wait(job_id, timeout_s=60)
+    assert final.state is JobState.HANDOFF_REJECTED, final.reason
+    assert "cw-us-east-02a refused workspace bundle" in final.reason and "not a regular file" in final.reason
+    assert final.handoff_attempts == 0
