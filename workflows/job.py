@@ -579,12 +579,7 @@ class JobWorkflow:
             )
             launched = await asyncio.shield(self._launch_op)
         except ActivityError as exc:
-            if _is_cancellation(exc):
-                raise
-            cause = exc.cause
-            if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
-                return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
-            return _Parked(f"Handoff to {cluster} failed after retries: {cause or exc}")
+            return await self._refused_or_parked(exc, f"Handoff to {cluster} failed after retries")
         if cluster != view.home:
             self._set(JobState.HANDED_OFF, f"Accepted by {cluster}")
         else:
@@ -636,19 +631,24 @@ class JobWorkflow:
                 retry_policy=_HANDOFF_RETRY,
             )
         except ActivityError as exc:
-            if _is_cancellation(exc):
-                raise
-            cause = exc.cause
-            if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
-                return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
-            if isinstance(cause, ApplicationError) and cause.type == BUNDLE_UNAVAILABLE:
-                return _Parked(cause.message)
-            return _Parked(f"Cannot stage the workspace bundle on {cluster}: {cause or exc}")
+            return await self._refused_or_parked(exc, f"Cannot stage the workspace bundle on {cluster}")
         done = "uploaded to" if staged.uploaded else "already on"
         self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
         if self._cancel is not None:
             return await self._cancel_before_handoff()
         return None
+
+    async def _refused_or_parked(self, exc: ActivityError, parked: str) -> JobStatus | _Parked:
+        """A handoff step failed for good: the cluster's refusal ends the job (HANDOFF_REJECTED), a
+        missing bundle or an outage past the retries parks it for an operator (``parked``: why)."""
+        if _is_cancellation(exc):
+            raise exc
+        cause = exc.cause
+        if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
+            return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
+        if isinstance(cause, ApplicationError) and cause.type == BUNDLE_UNAVAILABLE:
+            return _Parked(cause.message)
+        return _Parked(f"{parked}: {cause or exc}")
 
     async def _park(self, reason: str) -> JobStatus | ReplayRequest:
         """HANDOFF_FAILED waits for an operator (SPEC §9) or a cancel; never dropped silently."""
