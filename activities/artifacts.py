@@ -12,6 +12,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.peers import controller_client
+from iris import contract
 from iris.config import FederationConfig
 from iris.controller.artifacts import ArtifactReport
 from iris.controller.errors import ControllerError
@@ -31,7 +32,7 @@ class ArtifactActivities:
         self._config = config
         self._timeout = request_timeout_s
 
-    @activity.defn
+    @activity.defn(name=contract.CHECK_ARTIFACTS)
     async def check_artifacts(self, inp: ArtifactInput) -> ArtifactReport:
         """Ask the destination's controller which declared artifacts it cannot read.
 

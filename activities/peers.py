@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from iris import contract
 from iris.bundle import BundleError, BundleRef, fetch_from_home
 from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
@@ -22,12 +23,6 @@ from iris.controller.models import LaunchRequest
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, StoreUnavailable, open_store
 from iris.reports import FederationView, gather_reports
-
-# Error type names the workflow reacts to; refusals are never retried.
-HANDOFF_REJECTED = "HandoffRejected"
-JOB_LOST = "JobLost"
-# The job's workspace bundle is not (intact) in the home store: nothing to stage until an operator acts.
-BUNDLE_UNAVAILABLE = "BundleUnavailable"
 
 
 class LaunchInput(BaseModel):
@@ -91,7 +86,7 @@ class PeerActivities:
     def _client(self, cluster: str) -> ControllerClient:
         return controller_client(self._config, cluster, self._timeout)
 
-    @activity.defn
+    @activity.defn(name=contract.FETCH_REPORTS)
     async def fetch_reports(self) -> FederationView:
         """Poll every cluster's controller concurrently; an unreachable one is reported as such.
 
@@ -112,7 +107,7 @@ class PeerActivities:
         self._view = (time.monotonic(), view)
         return view
 
-    @activity.defn
+    @activity.defn(name=contract.LAUNCH_JOB)
     async def launch_job(self, inp: LaunchInput) -> ControllerJobStatus:
         """Hand the job to a cluster's controller. Refusals are final; outages are retried.
 
@@ -132,7 +127,7 @@ class PeerActivities:
         except ControllerError as exc:
             raise _handoff_error(inp.cluster, "the job", exc) from None
 
-    @activity.defn
+    @activity.defn(name=contract.STAGE_BUNDLE)
     async def stage_bundle(self, inp: StageInput) -> StageResult:
         """Send the job's workspace bundle to the cluster that will run it, from the home store.
 
@@ -174,7 +169,7 @@ class PeerActivities:
         if home is None:
             raise ApplicationError(
                 f"the home cluster {self._config.home} has no object store holding bundles",
-                type=BUNDLE_UNAVAILABLE,
+                type=contract.BUNDLE_UNAVAILABLE,
                 non_retryable=True,
             )
         try:
@@ -185,7 +180,7 @@ class PeerActivities:
             what = {KeyError: "missing from", BundleError: "damaged in"}.get(type(exc), "unreadable in")
             raise ApplicationError(
                 f"workspace bundle {ref.short} is {what} the home object store",
-                type=BUNDLE_UNAVAILABLE,
+                type=contract.BUNDLE_UNAVAILABLE,
                 non_retryable=True,
             ) from None
         await client.put_bundle(ref.sha256, data)
@@ -203,7 +198,7 @@ class PeerActivities:
             await asyncio.to_thread(relay.append, job_id, offset, chunk.next_offset, chunk.data)
             offset = chunk.next_offset
 
-    @activity.defn
+    @activity.defn(name=contract.MIRROR_JOB)
     async def mirror_job(self, inp: MirrorInput) -> ControllerJobStatus:
         """Follow the job on its cluster until its state differs from ``known_state``, relaying logs.
 
@@ -225,7 +220,9 @@ class PeerActivities:
                         next_relay = time.monotonic() + inp.log_interval_s
                 except NotFound:
                     raise ApplicationError(
-                        f"{inp.cluster} no longer knows job {inp.job_id}", type=JOB_LOST, non_retryable=True
+                        f"{inp.cluster} no longer knows job {inp.job_id}",
+                        type=contract.JOB_LOST,
+                        non_retryable=True,
                     ) from None
                 except ControllerError as exc:
                     if not exc.retryable:
@@ -239,7 +236,7 @@ class PeerActivities:
                         return last
                 await asyncio.sleep(inp.poll_interval_s)
 
-    @activity.defn
+    @activity.defn(name=contract.TERMINATE_JOB)
     async def terminate_job(self, inp: TerminateInput) -> ControllerJobStatus | None:
         """Ask the cluster to terminate the job; a cluster that no longer knows it satisfies the cancel."""
         try:
@@ -254,5 +251,8 @@ def _handoff_error(cluster: str, what: str, exc: ControllerError) -> Exception:
     if exc.retryable:
         return exc
     return ApplicationError(
-        f"{cluster} refused {what}: {exc.message}", exc.code, type=HANDOFF_REJECTED, non_retryable=True
+        f"{cluster} refused {what}: {exc.message}",
+        exc.code,
+        type=contract.HANDOFF_REJECTED,
+        non_retryable=True,
     )

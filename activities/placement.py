@@ -10,16 +10,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from temporalio import activity
 
+from iris import contract
 from iris.config import FederationConfig
-from iris.jobs import workflow_id
 from iris.policy import plan_request
 from iris.policy.models import Placement, PlanRequest
 from iris.reports import gather_reports
-from iris.store import FederationStore
 
 # The tick heartbeats this often; the manager's heartbeat timeout (a few of these) is how soon a
 # tick lost with its worker is retried, instead of after the whole start-to-close timeout.
@@ -42,6 +42,10 @@ async def heartbeating(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+if TYPE_CHECKING:
+    from iris.store import FederationStore
 
 
 class TickInput(BaseModel):
@@ -93,13 +97,13 @@ class PlacementActivities:
         return {job_id: p for job_id, (_, p) in self._offers.items()}
 
     async def _signal(self, job_id: str, name: str, arg: object) -> None:
-        handle = activity.client().get_workflow_handle(workflow_id(job_id))
+        handle = activity.client().get_workflow_handle(contract.job_workflow_id(job_id))
         try:
             await (handle.signal(name) if arg is None else handle.signal(name, arg))
         except Exception as exc:  # a job that ended meanwhile; the next tick sees its handle
             activity.logger.info("signal %s to %s failed: %s", name, job_id, exc)
 
-    @activity.defn
+    @activity.defn(name=contract.PLACEMENT_TICK)
     async def placement_tick(self, inp: TickInput) -> TickOutcome:
         async with heartbeating():
             return await self._tick(inp)
@@ -135,9 +139,11 @@ class PlacementActivities:
             self._offers[p.job_id] = (offered_at, p)
         reasons = {job_id: group.summary for group in result.waiting for job_id in group.job_ids}
         changed = await asyncio.to_thread(store.update_reasons, reasons)
-        sends: list[tuple[str, str, object]] = [(j, "expire", None) for j in [*expired, *result.expired]]
-        sends += [(p.job_id, "place", p) for p in result.placements]
-        sends += [(j, "explain", reasons[j]) for j in changed]
+        sends: list[tuple[str, str, object]] = [
+            (j, contract.EXPIRE, None) for j in [*expired, *result.expired]
+        ]
+        sends += [(p.job_id, contract.PLACE, p) for p in result.placements]
+        sends += [(j, contract.EXPLAIN, reasons[j]) for j in changed]
         await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
         return TickOutcome(
             saturated=result.capped,

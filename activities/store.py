@@ -8,29 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from iris import contract
 from iris.policy.models import JobShape, Placement
-from iris.store import FederationStore, StoreConflict
+from iris.store.errors import StoreConflict
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteResult
 
-
-def manager_workflow_id(task_queue: str) -> str:
-    """One placement manager per task queue (one federation per queue)."""
-    return f"iris-placement-manager/{task_queue}"
-
-
-PLACEMENT_QUEUE_SUFFIX = "-placement"
-
-
-def placement_task_queue(task_queue: str) -> str:
-    """The placement manager's own task queue: its ticks never wait behind the jobs' tasks."""
-    if task_queue.endswith(PLACEMENT_QUEUE_SUFFIX):
-        return task_queue
-    return task_queue + PLACEMENT_QUEUE_SUFFIX
+if TYPE_CHECKING:
+    from iris.store import FederationStore
 
 
 class EnqueueInput(BaseModel):
@@ -64,7 +54,7 @@ class HandleStateInput(BaseModel):
 class StoreActivities:
     def __init__(self, store: FederationStore, task_queue: str, *, wake_debounce_s: float = 0.05) -> None:
         self._store = store
-        self._manager_id = manager_workflow_id(task_queue)
+        self._manager_id = contract.manager_workflow_id(task_queue)
         self._debounce = wake_debounce_s
         self._last_wake = 0.0
 
@@ -75,11 +65,11 @@ class StoreActivities:
             return
         self._last_wake = now
         try:
-            await activity.client().get_workflow_handle(self._manager_id).signal("wake")
+            await activity.client().get_workflow_handle(self._manager_id).signal(contract.WAKE)
         except Exception as exc:  # the periodic tick still finds the job; waking is an optimisation
             activity.logger.warning("could not wake the placement manager: %s", exc)
 
-    @activity.defn
+    @activity.defn(name=contract.ENQUEUE_JOB)
     async def enqueue_job(self, inp: EnqueueInput) -> JobHandle:
         """Put the job's handle in the federation queue (idempotent) and wake the placement tick."""
         handle = JobHandle(
@@ -96,32 +86,32 @@ class StoreActivities:
         await self._wake_manager()
         return stored
 
-    @activity.defn
+    @activity.defn(name=contract.PROMOTE_JOB)
     async def promote_job(self, inp: PromoteInput) -> PromoteResult:
         """The compare-and-swap of SPEC §6, in one store transaction."""
         return await asyncio.to_thread(
             self._store.promote, inp.job_id, inp.incarnation, inp.placement, int(time.time() * 1000)
         )
 
-    @activity.defn
+    @activity.defn(name=contract.RECORD_CANCEL)
     async def record_cancel(self, inp: CancelIntentInput) -> CancelResult:
         """Record the cancel intent; whichever of cancel and promotion commits first wins."""
         return await asyncio.to_thread(self._store.record_cancel, inp.job_id, inp.reason)
 
-    @activity.defn
+    @activity.defn(name=contract.EXPIRE_JOB)
     async def expire_job(self, inp: ExpireInput) -> bool:
         return await asyncio.to_thread(
             self._store.expire, inp.job_id, inp.incarnation, int(time.time() * 1000)
         )
 
-    @activity.defn
+    @activity.defn(name=contract.REQUEUE_JOB)
     async def requeue_job(self, inp: ExpireInput) -> bool:
         """Operator replay: a parked handle goes back to the queue, its reservation released."""
         requeued = await asyncio.to_thread(self._store.requeue, inp.job_id, inp.incarnation)
         await self._wake_manager()
         return requeued
 
-    @activity.defn
+    @activity.defn(name=contract.SET_HANDLE_STATE)
     async def set_handle_state(self, inp: HandleStateInput) -> None:
         try:
             await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)

@@ -43,7 +43,6 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.placement import TickOutcome
-from activities.store import manager_workflow_id
 from benchmarks.ceiling import CEILING_WORKFLOW, CeilingInput
 from benchmarks.harness import (
     AccessLogCounter,
@@ -70,8 +69,9 @@ from benchmarks.harness import (
 from benchmarks.source import source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
+from iris.contract import SA_SUBMITTER, manager_workflow_id
 from iris.controller.client import ControllerClient
-from iris.jobs import SA_SUBMITTER, JobSpec, JobState, JobStatus
+from iris.jobs import JobSpec, JobState, JobStatus
 
 GPU = "gpu"
 CPU = "cpu"

@@ -32,12 +32,12 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from activities.placement import TickOutcome
-from activities.store import manager_workflow_id
 from benchmarks.source import cleanup_snapshot
 from iris import devstack
 from iris.config import FederationConfig, load_config
+from iris.contract import SEARCH_ATTRIBUTE_KEYS, manager_workflow_id
 from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
-from iris.jobs import SEARCH_ATTRIBUTE_KEYS
+from workflows.placement import PlacementManager
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -547,7 +547,7 @@ class BenchStack:
             if not worker.running:
                 raise BenchError(f"the worker exited during start; see {worker.log_path}")
             try:
-                tick = await asyncio.wait_for(handle.query("last_tick", result_type=TickOutcome), 5)
+                tick = await asyncio.wait_for(handle.query(PlacementManager.last_tick), 5)
             except Exception:
                 return False
             return tick is not None
@@ -572,9 +572,7 @@ class BenchStack:
 
     async def manager_tick(self) -> TickOutcome | None:
         handle = self.client.get_workflow_handle(manager_workflow_id(self.config.temporal.task_queue))
-        result: TickOutcome | None = await asyncio.wait_for(
-            handle.query("last_tick", result_type=TickOutcome), 10
-        )
+        result: TickOutcome | None = await asyncio.wait_for(handle.query(PlacementManager.last_tick), 10)
         return result
 
     async def stop(self) -> None:

@@ -33,7 +33,6 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.placement import TickOutcome
-from activities.store import manager_workflow_id
 from benchmarks.harness import (
     BenchError,
     BenchStack,
@@ -59,7 +58,8 @@ from benchmarks.harness import (
 from benchmarks.source import source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
-from iris.jobs import SA_STATE, JobState
+from iris.contract import SA_STATE, manager_workflow_id
+from iris.jobs import JobState
 
 TASK_QUEUE = "iris-bench-scale"
 PEER_SLOTS = 8

@@ -21,8 +21,9 @@ from temporalio.workflow import NondeterminismError
 
 from cli import common
 from cli.replay import replay_handoff_command
+from iris import contract
 from iris.client import InvalidJob, Unavailable
-from iris.jobs import JOB_WORKFLOW_TYPE
+from iris.contract import JOB_WORKFLOW
 from iris.temporal import connect
 
 ops_app = typer.Typer(help="Operator tools: replay failed handoffs, check determinism.", no_args_is_help=True)
@@ -31,7 +32,7 @@ ops_app.command("replay-handoff")(replay_handoff_command)
 
 # ---- check-determinism -----------------------------------------------------------------------
 
-DEFAULT_DETERMINISM_QUERY = f"WorkflowType = '{JOB_WORKFLOW_TYPE}'"
+DEFAULT_DETERMINISM_QUERY = f"WorkflowType = '{JOB_WORKFLOW}'"
 # Exit code when some history does not replay (a deploy of this code would break those runs).
 EXIT_NOT_REPLAYABLE = 1
 
@@ -42,13 +43,12 @@ def replayer() -> Replayer:
     Its own runtime logs nothing: the SDK core would print each nondeterminism as a warning on
     stdout, and the report already says it once, in one line.
     """
-    from workflows.job import JobWorkflow
-    from workflows.placement import PlacementManager
+    from worker.main import WORKFLOWS
     from workflows.runner import workflow_runner
 
     quiet = Runtime(telemetry=TelemetryConfig(logging=None))
     return Replayer(
-        workflows=[JobWorkflow, PlacementManager],
+        workflows=list(WORKFLOWS),
         data_converter=pydantic_data_converter,
         runtime=quiet,
         workflow_runner=workflow_runner(),
@@ -107,7 +107,7 @@ def _first_line(exc: BaseException) -> str:
 
 async def replay_histories(histories: AsyncIterator[WorkflowHistory], query: str) -> DeterminismReport:
     """Replay every history; workflow types the worker does not register are skipped and counted."""
-    known = {"JobWorkflow", "PlacementManager"}
+    known = set(contract.WORKFLOW_TYPES)
     report = DeterminismReport(query=query)
 
     async def registered() -> AsyncIterator[WorkflowHistory]:

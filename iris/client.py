@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 from temporalio.api.common.v1 import WorkflowExecution
@@ -39,18 +39,23 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
+from temporalio.workflow import UpdateMethodMultiParam
 
+from iris import contract
 from iris.bundle import Bundle, BundleError, BundleRef, contains, home_key, pack, store_at_home
 from iris.config import ConfigError, FederationConfig, load_config
-from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
-from iris.controller.models import LogChunk, validate_job_id
-from iris.jobs import (
-    JOB_WORKFLOW_TYPE,
+from iris.contract import (
+    JOB_WORKFLOW,
     SA_BAND,
     SA_DEVICE_VARIANT,
     SA_PEER,
     SA_STATE,
     SA_SUBMITTER,
+    job_workflow_id,
+)
+from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
+from iris.controller.models import LogChunk, validate_job_id
+from iris.jobs import (
     CancelOutcome,
     CancelRequest,
     JobSpec,
@@ -58,7 +63,6 @@ from iris.jobs import (
     JobStatus,
     ReplayRequest,
     start_search_attributes,
-    workflow_id,
 )
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, open_store
@@ -66,8 +70,11 @@ from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.reports import FederationView, config_view
 from iris.temporal import connect
+from workflows.job import JobWorkflow
+from workflows.peers import ListPeersWorkflow
 
 T = TypeVar("T")
+_A = TypeVar("_A")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -332,16 +339,20 @@ def workflow_not_ready(exc: RPCError) -> bool:
     return any(d.Is(WorkflowNotReadyFailure.DESCRIPTOR) for d in details)
 
 
-async def execute_update(handle: WorkflowHandle[Any, Any], name: str, arg: Any, result_type: type[T]) -> T:
+async def execute_update(
+    handle: WorkflowHandle[Any, Any],
+    update: UpdateMethodMultiParam[[Any, _A], Any],
+    arg: _A,
+    result_type: type[T],
+) -> T:
     """``handle.execute_update``, sent again while the server answers that the workflow task that
     carried it failed: such an Update was never accepted, and its handler runs only once accepted."""
-    update_id = f"{name}/{uuid.uuid4()}"
+    update_id = f"{getattr(update, '__name__', 'update')}/{uuid.uuid4()}"
     delay = UPDATE_RETRY_FIRST_S
     attempt = 1
     while True:
         try:
-            result: T = await handle.execute_update(name, arg, id=update_id, result_type=result_type)
-            return result
+            return cast(T, await handle.execute_update(update, arg, id=update_id))
         except RPCError as exc:
             if attempt == UPDATE_ATTEMPTS or not workflow_not_ready(exc):
                 raise
@@ -373,8 +384,8 @@ class AsyncIrisClient:
             raise Unavailable(f"cannot reach Temporal at {cfg.temporal.address}: {exc}") from None
         return cls(temporal, cfg)
 
-    def _handle(self, job_id: str) -> WorkflowHandle[Any, JobStatus]:
-        return self.temporal.get_workflow_handle(workflow_id(job_id), result_type=JobStatus)
+    def _handle(self, job_id: str) -> WorkflowHandle[JobWorkflow, JobStatus]:
+        return self.temporal.get_workflow_handle_for(JobWorkflow.run, job_workflow_id(job_id))
 
     async def precheck(self, spec: JobSpec) -> str:
         """Classify against the configured shapes; raise JobRejected if no cluster could ever host it.
@@ -422,16 +433,15 @@ class AsyncIrisClient:
             await self.store_bundle(spec.bundle, bundle)
         try:
             await self.temporal.start_workflow(
-                JOB_WORKFLOW_TYPE,
+                JobWorkflow.run,
                 spec,
-                id=workflow_id(spec.job_id),
+                id=job_workflow_id(spec.job_id),
                 task_queue=self.config.temporal.task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=start_search_attributes(spec),
                 static_summary=spec.summary(),
                 static_details=f"command: {' '.join(spec.command)[:500]}",
-                result_type=JobStatus,
             )
         except WorkflowAlreadyStartedError:
             raise JobAlreadyExists(f"job {spec.job_id} already exists; choose another --job-name") from None
@@ -457,8 +467,7 @@ class AsyncIrisClient:
 
     async def describe(self, job_id: str) -> JobStatus:
         try:
-            status: JobStatus = await self._handle(job_id).query("status", result_type=JobStatus)
-            return status
+            return await self._handle(job_id).query(JobWorkflow.status)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(f"job {job_id} not found") from None
@@ -467,7 +476,7 @@ class AsyncIrisClient:
     async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
         """Fire-and-forget cancel (a signal)."""
         try:
-            await self._handle(job_id).signal("cancel", CancelRequest(reason=reason))
+            await self._handle(job_id).signal(JobWorkflow.cancel, CancelRequest(reason=reason))
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(f"job {job_id} not found or already finished") from None
@@ -477,7 +486,7 @@ class AsyncIrisClient:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
         try:
             return await execute_update(
-                self._handle(job_id), "cancel_job", CancelRequest(reason=reason), CancelOutcome
+                self._handle(job_id), JobWorkflow.cancel_job, CancelRequest(reason=reason), CancelOutcome
             )
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
@@ -488,10 +497,9 @@ class AsyncIrisClient:
         """Every cluster's live report (reachability, backends, capacity), polled by a worker."""
         try:
             view: FederationView = await self.temporal.execute_workflow(
-                "ListPeers",
-                id=f"iris-rpc/list-peers/{uuid.uuid4()}",
+                ListPeersWorkflow.run,
+                id=contract.list_peers_workflow_id(str(uuid.uuid4())),
                 task_queue=self.config.temporal.task_queue,
-                result_type=FederationView,
                 static_summary="iris peers",
                 execution_timeout=timedelta(seconds=60),
                 request_eager_start=True,
@@ -534,7 +542,10 @@ class AsyncIrisClient:
                 )
             try:
                 message = await execute_update(
-                    handle, "replay_handoff", ReplayRequest(peer=peer, requeue=requeue, reason=reason), str
+                    handle,
+                    JobWorkflow.replay_handoff,
+                    ReplayRequest(peer=peer, requeue=requeue, reason=reason),
+                    str,
                 )
             except WorkflowUpdateFailedError as exc:
                 raise InvalidJob(str(exc.cause or exc)) from None
@@ -556,7 +567,7 @@ class AsyncIrisClient:
             attrs = event.activity_task_scheduled_event_attributes
             if (
                 event.HasField("activity_task_scheduled_event_attributes")
-                and attrs.activity_type.name == "launch_job"
+                and attrs.activity_type.name == contract.LAUNCH_JOB
             ):
                 reset_point = attrs.workflow_task_completed_event_id
         if reset_point is None:
@@ -564,7 +575,7 @@ class AsyncIrisClient:
         resp = await self.temporal.workflow_service.reset_workflow_execution(
             ResetWorkflowExecutionRequest(
                 namespace=self.temporal.namespace,
-                workflow_execution=WorkflowExecution(workflow_id=workflow_id(job_id), run_id=desc.run_id),
+                workflow_execution=WorkflowExecution(workflow_id=job_workflow_id(job_id), run_id=desc.run_id),
                 reason=f"iris ops replay-handoff: {reason}",
                 workflow_task_finish_event_id=reset_point,
                 request_id=str(uuid.uuid4()),
@@ -580,13 +591,13 @@ class AsyncIrisClient:
         user: str | None = None,
         limit: int = 1000,
     ) -> list[JobSummary]:
-        query = [f"WorkflowType = {_quote(JOB_WORKFLOW_TYPE)}"]
+        query = [f"WorkflowType = {_quote(JOB_WORKFLOW)}"]
         if state:
-            query.append(f"IrisState = {_quote(state.upper())}")
+            query.append(f"{SA_STATE.name} = {_quote(state.upper())}")
         if peer:
-            query.append(f"IrisPeer = {_quote(peer)}")
+            query.append(f"{SA_PEER.name} = {_quote(peer)}")
         if user:
-            query.append(f"IrisSubmitter = {_quote(user)}")
+            query.append(f"{SA_SUBMITTER.name} = {_quote(user)}")
         rows: list[JobSummary] = []
         try:
             async for wf in self.temporal.list_workflows(" AND ".join(query), limit=limit):
@@ -602,7 +613,7 @@ class AsyncIrisClient:
                         user=sa.get(SA_SUBMITTER),
                         started_at=wf.start_time,
                         closed=wf.status is not None and wf.status != WorkflowExecutionStatus.RUNNING,
-                        reason=str((await wf.memo()).get("reason", "")),
+                        reason=str((await wf.memo()).get(contract.MEMO_REASON, "")),
                     )
                 )
         except RPCError as exc:

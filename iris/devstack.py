@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from iris.config import FederationConfig
-from iris.jobs import SEARCH_ATTRIBUTES
+from iris.contract import SEARCH_ATTRIBUTES
 
 
 class ServiceError(RuntimeError):

@@ -9,20 +9,11 @@ from __future__ import annotations
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
-from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
+from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_STATE, SA_SUBMITTER
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
-
-# Search attributes the project registers in every environment (dev server, tests, compose).
-SA_STATE = SearchAttributeKey.for_keyword("IrisState")
-SA_PEER = SearchAttributeKey.for_keyword("IrisPeer")
-SA_DEVICE_VARIANT = SearchAttributeKey.for_keyword("IrisDeviceVariant")
-SA_BAND = SearchAttributeKey.for_keyword("IrisBand")
-SA_SUBMITTER = SearchAttributeKey.for_keyword("IrisSubmitter")
-SEARCH_ATTRIBUTE_KEYS = (SA_STATE, SA_PEER, SA_DEVICE_VARIANT, SA_BAND, SA_SUBMITTER)
-SEARCH_ATTRIBUTES: dict[str, str] = {key.name: "Keyword" for key in SEARCH_ATTRIBUTE_KEYS}
-JOB_WORKFLOW_TYPE = "JobWorkflow"
 
 
 class JobState(StrEnum):
@@ -56,11 +47,6 @@ TERMINAL_STATES = frozenset(
         JobState.HANDOFF_REJECTED,
     }
 )
-
-
-def workflow_id(job_id: str) -> str:
-    """The workflow id of a job: the job id itself, so the UI, CLI and peers share one name."""
-    return job_id
 
 
 class JobSpec(BaseModel):

@@ -36,7 +36,8 @@ from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
 from cli.ops import DeterminismReport, replay_histories  # noqa: E402
-from iris.jobs import JOB_WORKFLOW_TYPE, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
+from iris.contract import JOB_WORKFLOW  # noqa: E402
+from iris.jobs import JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
 from iris.policy.models import DeviceRequest  # noqa: E402
 
 OUT_DIR = ROOT / "tests" / "determinism" / "histories"
@@ -150,7 +151,7 @@ async def rejected(stack: Stack) -> str:
         submit_ms=int(time.time() * 1000),
     )
     await stack.client.start_workflow(
-        JOB_WORKFLOW_TYPE,
+        JOB_WORKFLOW,
         spec,
         id=spec.job_id,
         task_queue=stack.config.temporal.task_queue,

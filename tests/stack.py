@@ -27,8 +27,8 @@ from temporalio.worker import Worker
 from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig, load_config, store_url
+from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
-from iris.jobs import SEARCH_ATTRIBUTE_KEYS
 from iris.store import FederationStore
 from worker.main import build_worker, ensure_manager
 

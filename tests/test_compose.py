@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from iris.config import PROJECT_ROOT, load_config
-from iris.jobs import SEARCH_ATTRIBUTES
+from iris.contract import SEARCH_ATTRIBUTES
 
 COMPOSE_FILE = PROJECT_ROOT / "docker-compose.yml"
 

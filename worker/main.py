@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
@@ -12,8 +14,9 @@ from temporalio.worker import Worker
 from activities.artifacts import ArtifactActivities
 from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
-from activities.store import StoreActivities, manager_workflow_id, placement_task_queue
+from activities.store import StoreActivities
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
+from iris.contract import manager_workflow_id, placement_task_queue
 from iris.logrelay import LogRelay
 from iris.store import FederationStore
 from iris.temporal import connect
@@ -21,6 +24,9 @@ from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
 from workflows.runner import workflow_runner
+
+# Every workflow this worker runs; the determinism check replays histories against the same list.
+WORKFLOWS = (JobWorkflow, PlacementManager, ListPeersWorkflow)
 
 
 class FederationWorker:
@@ -61,30 +67,35 @@ class FederationWorker:
         await asyncio.gather(self._run_task, return_exceptions=True)
 
 
-def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> FederationWorker:
+def job_activities(config: FederationConfig, store: FederationStore) -> list[Callable[..., Any]]:
+    """Every activity of the jobs' task queue (the names are the contract's, iris/contract.py)."""
     peers = PeerActivities(config, LogRelay(config))
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)
+    return [
+        peers.fetch_reports,
+        peers.launch_job,
+        peers.stage_bundle,
+        peers.mirror_job,
+        peers.terminate_job,
+        queue.enqueue_job,
+        queue.promote_job,
+        queue.record_cancel,
+        queue.expire_job,
+        queue.set_handle_state,
+        queue.requeue_job,
+        placement.placement_tick,
+        artifacts.check_artifacts,
+    ]
+
+
+def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> FederationWorker:
     jobs = Worker(
         client,
         task_queue=config.temporal.task_queue,
-        workflows=[JobWorkflow, PlacementManager, ListPeersWorkflow],
-        activities=[
-            peers.fetch_reports,
-            peers.launch_job,
-            peers.stage_bundle,
-            peers.mirror_job,
-            peers.terminate_job,
-            queue.enqueue_job,
-            queue.promote_job,
-            queue.record_cancel,
-            queue.expire_job,
-            queue.set_handle_state,
-            queue.requeue_job,
-            placement.placement_tick,
-            artifacts.check_artifacts,
-        ],
+        workflows=list(WORKFLOWS),
+        activities=job_activities(config, store),
         max_concurrent_activities=200,
         workflow_runner=workflow_runner(),
     )
@@ -92,7 +103,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         client,
         task_queue=placement_task_queue(config.temporal.task_queue),
         workflows=[PlacementManager],
-        activities=[placement.placement_tick],
+        activities=[PlacementActivities(config, store).placement_tick],
         max_concurrent_activities=4,
         workflow_runner=workflow_runner(),
     )

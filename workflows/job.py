@@ -23,16 +23,7 @@ from temporalio.exceptions import CancelledError as TemporalCancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
-    from activities.peers import (
-        BUNDLE_UNAVAILABLE,
-        HANDOFF_REJECTED,
-        JOB_LOST,
-        LaunchInput,
-        MirrorInput,
-        PeerActivities,
-        StageInput,
-        TerminateInput,
-    )
+    from activities.peers import LaunchInput, MirrorInput, PeerActivities, StageInput, TerminateInput
     from activities.store import (
         CancelIntentInput,
         EnqueueInput,
@@ -41,11 +32,10 @@ with workflow.unsafe.imports_passed_through():
         PromoteInput,
         StoreActivities,
     )
+    from iris import contract
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.jobs import (
-        SA_PEER,
-        SA_STATE,
         CancelOutcome,
         CancelRequest,
         JobEvent,
@@ -71,7 +61,7 @@ _HANDOFF_RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=6,
-    non_retryable_error_types=[HANDOFF_REJECTED],
+    non_retryable_error_types=[contract.HANDOFF_REJECTED],
 )
 _MIRROR_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
@@ -126,7 +116,7 @@ class _Parked:
     reason: str
 
 
-@workflow.defn(name="JobWorkflow")
+@workflow.defn(name=contract.JOB_WORKFLOW)
 class JobWorkflow:
     @workflow.init
     def __init__(self, spec: JobSpec) -> None:
@@ -162,7 +152,7 @@ class JobWorkflow:
 
     # ---- messages -------------------------------------------------------------------------
 
-    @workflow.query
+    @workflow.query(name=contract.STATUS)
     def status(self) -> JobStatus:
         assert self._status is not None
         return self._status
@@ -173,30 +163,30 @@ class JobWorkflow:
         st = self._status
         return st is not None and st.state in (JobState.CLASSIFYING, JobState.QUEUED_HANDOFF)
 
-    @workflow.signal
+    @workflow.signal(name=contract.PLACE)
     def place(self, placement: Placement) -> None:
         """From the placement tick: promote the job to this (peer, backend)."""
         # An operator's replay target, already set, is not overridden by the tick.
         if self._waiting_in_queue() and self._placement is None:
             self._placement = placement
 
-    @workflow.signal
+    @workflow.signal(name=contract.EXPLAIN)
     def explain(self, reason: str) -> None:
         """From the placement tick: why the job is still queued (the pending reason)."""
         self._explanation = reason
         if self._status is not None and self._status.state is JobState.QUEUED_HANDOFF:
             self._set(JobState.QUEUED_HANDOFF, reason, record=False)
 
-    @workflow.signal
+    @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:
         """From the placement tick: the scheduling deadline passed."""
         self._expire = True
 
-    @workflow.signal
+    @workflow.signal(name=contract.CANCEL)
     def cancel(self, request: CancelRequest) -> None:
         self._request_cancel(request)
 
-    @workflow.update
+    @workflow.update(name=contract.CANCEL_JOB)
     async def cancel_job(self, request: CancelRequest) -> CancelOutcome:
         """Cancel, and say whether the cancel won: won = the job was never delivered to a cluster."""
         st = self.status()
@@ -215,7 +205,7 @@ class JobWorkflow:
             message=f"job was already handed to {st.cluster}; termination requested there",
         )
 
-    @workflow.update
+    @workflow.update(name=contract.REPLAY_HANDOFF)
     def replay_handoff(self, request: ReplayRequest) -> str:
         """Operator: re-run the artifact check and handoff of a parked job (SPEC §9)."""
         self._replay = request
@@ -272,17 +262,17 @@ class JobWorkflow:
         if reason != self._memo_reason:
             # The reason rides in the memo so `iris job list` shows it without querying every job.
             self._memo_reason = reason
-            workflow.upsert_memo({"reason": reason})
+            workflow.upsert_memo({contract.MEMO_REASON: reason})
         workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
 
     def _upsert_search_attributes(self, state: JobState, new_peer: str | None) -> None:
         updates = []
         # Runs recorded before the patch upserted the state on every change of state or reason.
         if state.value != self._sa_state or not self._local_steps:
-            updates.append(SA_STATE.value_set(state.value))
+            updates.append(contract.SA_STATE.value_set(state.value))
             self._sa_state = state.value
         if new_peer is not None:
-            updates.append(SA_PEER.value_set(new_peer))
+            updates.append(contract.SA_PEER.value_set(new_peer))
         if updates:
             workflow.upsert_search_attributes(updates)
 
@@ -639,14 +629,14 @@ class JobWorkflow:
         return None
 
     async def _refused_or_parked(self, exc: ActivityError, parked: str) -> JobStatus | _Parked:
-        """A handoff step failed for good: the cluster's refusal ends the job (HANDOFF_REJECTED), a
+        """A handoff step failed for good: the cluster's refusal ends the job (contract.HANDOFF_REJECTED), a
         missing bundle or an outage past the retries parks it for an operator (``parked``: why)."""
         if _is_cancellation(exc):
             raise exc
         cause = exc.cause
-        if isinstance(cause, ApplicationError) and cause.type == HANDOFF_REJECTED:
+        if isinstance(cause, ApplicationError) and cause.type == contract.HANDOFF_REJECTED:
             return await self._finish(JobState.HANDOFF_REJECTED, cause.message)
-        if isinstance(cause, ApplicationError) and cause.type == BUNDLE_UNAVAILABLE:
+        if isinstance(cause, ApplicationError) and cause.type == contract.BUNDLE_UNAVAILABLE:
             return _Parked(cause.message)
         return _Parked(f"{parked}: {cause or exc}")
 
@@ -713,7 +703,7 @@ class JobWorkflow:
                 if _is_cancellation(exc):
                     raise
                 cause = exc.cause
-                if isinstance(cause, ApplicationError) and cause.type == JOB_LOST:
+                if isinstance(cause, ApplicationError) and cause.type == contract.JOB_LOST:
                     if terminated:
                         return await self._finish(
                             JobState.KILLED, f"Killed; {cluster} no longer knows the job"

@@ -13,10 +13,11 @@ from temporalio.common import RetryPolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.peers import PeerActivities
+    from iris import contract
     from iris.reports import FederationView
 
 
-@workflow.defn(name="ListPeers")
+@workflow.defn(name=contract.LIST_PEERS)
 class ListPeersWorkflow:
     @workflow.run
     async def run(self) -> FederationView:

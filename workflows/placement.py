@@ -18,7 +18,7 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.placement import PlacementActivities, TickInput, TickOutcome
-    from activities.store import placement_task_queue
+    from iris import contract
 
 # A tick that hit the per-peer cap with jobs left waiting is followed at once by another.
 RETICK_PATCH = "retick-when-saturated-v1"
@@ -31,7 +31,7 @@ class ManagerInput(BaseModel):
     ticks_per_run: int = 200
 
 
-@workflow.defn(name="PlacementManager")
+@workflow.defn(name=contract.PLACEMENT_MANAGER)
 class PlacementManager:
     def __init__(self) -> None:
         self._wake = False
@@ -39,11 +39,11 @@ class PlacementManager:
         self._ticks = 0
         self._failures = 0
 
-    @workflow.signal
+    @workflow.signal(name=contract.WAKE)
     def wake(self) -> None:
         self._wake = True
 
-    @workflow.query
+    @workflow.query(name=contract.LAST_TICK)
     def last_tick(self) -> TickOutcome | None:
         return self._last
 
@@ -72,4 +72,4 @@ class PlacementManager:
                 await workflow.wait_condition(lambda: self._wake, timeout=timedelta(seconds=inp.interval_s))
         await workflow.wait_condition(workflow.all_handlers_finished)
         # A manager started on the jobs' queue (before it had its own) moves to its own here.
-        workflow.continue_as_new(inp, task_queue=placement_task_queue(workflow.info().task_queue))
+        workflow.continue_as_new(inp, task_queue=contract.placement_task_queue(workflow.info().task_queue))

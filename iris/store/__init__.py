@@ -4,10 +4,36 @@ SQLite by default (one file, embedded), PostgreSQL by URL; the schema is created
 open. See ``FederationStore`` for the transaction and locking rules behind the promotion CAS.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteOutcome, PromoteResult
-from iris.store.schema import LATEST_VERSION, MIGRATIONS, Migration
-from iris.store.store import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED, FederationStore
+
+if TYPE_CHECKING:
+    from iris.store.schema import LATEST_VERSION, MIGRATIONS, Migration
+    from iris.store.store import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED, FederationStore
+
+# SQLAlchemy is imported on first use of these: the workflow code and the CLI import this
+# package's models, not the engine (a third of a second of start-up on this machine).
+_LAZY = {
+    "LATEST_VERSION": "iris.store.schema",
+    "MIGRATIONS": "iris.store.schema",
+    "Migration": "iris.store.schema",
+    "CANCELLED_BEFORE_HANDOFF": "iris.store.store",
+    "DEADLINE_PASSED": "iris.store.store",
+    "FederationStore": "iris.store.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'iris.store' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "CANCELLED_BEFORE_HANDOFF",

@@ -41,10 +41,12 @@ from temporalio.worker import Worker
 from activities.artifacts import ArtifactInput, ArtifactReport
 from activities.peers import LaunchInput, MirrorInput, TerminateInput
 from activities.store import EnqueueInput, PromoteInput, StoreActivities
+from iris import contract
 from iris.client import build_spec, execute_update
+from iris.contract import JOB_WORKFLOW
 from iris.controller.models import ControllerJobState
 from iris.controller.models import JobStatus as PeerJobStatus
-from iris.jobs import JOB_WORKFLOW_TYPE, CancelOutcome, CancelRequest, JobState, JobStatus
+from iris.jobs import CancelOutcome, CancelRequest, JobState, JobStatus
 from iris.policy.models import Availability, BackendReport, Band, PeerReport, Placement
 from iris.reports import FederationView
 from iris.store import FederationStore, HandleState, JobHandle, PromoteResult
@@ -98,7 +100,7 @@ class StubPeer:
             nonce=job_id,
         )
 
-    @activity.defn(name="fetch_reports")
+    @activity.defn(name=contract.FETCH_REPORTS)
     async def fetch_reports(self) -> FederationView:
         self.reports_started.set()
         if self.report_delay_s:
@@ -121,7 +123,7 @@ class StubPeer:
             ],
         )
 
-    @activity.defn(name="launch_job")
+    @activity.defn(name=contract.LAUNCH_JOB)
     async def launch_job(self, inp: LaunchInput) -> PeerJobStatus:
         job_id = inp.request.job_id
         self.milestones.reach(job_id, "launching")
@@ -131,7 +133,7 @@ class StubPeer:
         self.milestones.reach(job_id, "running")
         return self._status(job_id, ControllerJobState.RUNNING)
 
-    @activity.defn(name="mirror_job")
+    @activity.defn(name=contract.MIRROR_JOB)
     async def mirror_job(self, inp: MirrorInput) -> PeerJobStatus:
         """Like the real one: returns once the state differs from ``known_state``; the job runs until
         its end time, or until it is terminated."""
@@ -149,13 +151,13 @@ class StubPeer:
         done = ControllerJobState.KILLED if job_id in self.terminated else ControllerJobState.SUCCEEDED
         return self._status(job_id, done)
 
-    @activity.defn(name="terminate_job")
+    @activity.defn(name=contract.TERMINATE_JOB)
     async def terminate_job(self, inp: TerminateInput) -> PeerJobStatus | None:
         self.terminated.add(inp.job_id)
         self.stopped.setdefault(inp.job_id, asyncio.Event()).set()
         return self._status(inp.job_id, ControllerJobState.KILLED)
 
-    @activity.defn(name="check_artifacts")
+    @activity.defn(name=contract.CHECK_ARTIFACTS)
     async def check_artifacts(self, inp: ArtifactInput) -> ArtifactReport:
         return ArtifactReport(missing=[], reasons=[])
 
@@ -172,7 +174,7 @@ class JitteredStore(StoreActivities):
         self.milestones = milestones
         self.enqueue_delay_s = 0.0
 
-    @activity.defn(name="enqueue_job")
+    @activity.defn(name=contract.ENQUEUE_JOB)
     async def enqueue_and_tell(self, inp: EnqueueInput) -> JobHandle:
         self.milestones.reach(inp.shape.job_id, "enqueueing")
         if self.enqueue_delay_s:
@@ -181,7 +183,7 @@ class JitteredStore(StoreActivities):
         self.milestones.reach(inp.shape.job_id, "queued")
         return handle
 
-    @activity.defn(name="promote_job")
+    @activity.defn(name=contract.PROMOTE_JOB)
     async def jittered_promote(self, inp: PromoteInput) -> PromoteResult:
         self.milestones.reach(inp.job_id, "promoting")
         await asyncio.sleep(self.rng.uniform(0, 0.015))
@@ -230,7 +232,7 @@ class Race:
             ["true"], name=job_id.split("/")[1], user="race@example.com", device_type="h100", gpu_count=8
         )
         return await self.stack.client.start_workflow(
-            JOB_WORKFLOW_TYPE,
+            JOB_WORKFLOW,
             spec,
             id=job_id,
             task_queue=self.task_queue,
@@ -242,7 +244,7 @@ class Race:
         placement = Placement(job_id=job_id, peer_id=PEER, backend_id=BACKEND, reason="race")
         for _ in range(2 if self.rng.random() < 0.3 else 1):  # duplicate signals happen too
             try:
-                await handle.signal("place", placement)
+                await handle.signal(JobWorkflow.place, placement)
             except RPCError:
                 return  # the workflow already ended
         self.milestones.reach(job_id, "placed")
@@ -259,10 +261,10 @@ class Race:
             if o.method == "update":
                 # As the CLI sends it: again if the server dropped it with a failed workflow task.
                 o.update = await execute_update(
-                    handle, "cancel_job", CancelRequest(reason="race"), CancelOutcome
+                    handle, JobWorkflow.cancel_job, CancelRequest(reason="race"), CancelOutcome
                 )
             elif o.method == "signal":
-                await handle.signal("cancel", CancelRequest(reason="race"))
+                await handle.signal(JobWorkflow.cancel, CancelRequest(reason="race"))
             elif o.method == "temporal":
                 await handle.cancel()
             else:

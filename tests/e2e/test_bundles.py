@@ -23,9 +23,10 @@ from stack import Stack, wait_until
 from iris import bundle as bundles
 from iris import devstack
 from iris.client import InvalidJob, build_spec
+from iris.contract import JOB_WORKFLOW
 from iris.controller.client import ControllerClient
 from iris.controller.errors import InvalidArgument, NotFound, Unauthenticated
-from iris.jobs import JOB_WORKFLOW_TYPE, JobState, JobStatus, start_search_attributes
+from iris.jobs import JobState, JobStatus, start_search_attributes
 from iris.objectstore import open_store
 
 SCRIPT = """\
@@ -403,7 +404,7 @@ async def test_a_bundle_lost_from_the_home_store_parks_the_job_until_an_operator
         await stack.iris.submit_spec(spec)
     # ...so start the workflow as a job whose bundle vanished after submit would look.
     await stack.client.start_workflow(
-        JOB_WORKFLOW_TYPE,
+        JOB_WORKFLOW,
         spec,
         id=spec.job_id,
         task_queue=stack.config.temporal.task_queue,

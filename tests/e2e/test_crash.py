@@ -15,12 +15,13 @@ from stack import Stack, wait_until
 from temporalio.api.enums.v1 import PendingActivityState, TimeoutType
 from temporalio.service import RPCError
 
-from activities.store import manager_workflow_id
 from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig
+from iris.contract import manager_workflow_id
 from iris.controller.client import ControllerClient
 from iris.jobs import JobState
+from workflows.placement import PlacementManager
 
 
 class WorkerProcess:
@@ -129,7 +130,7 @@ async def test_a_tick_lost_with_its_worker_is_retried_on_its_heartbeat_timeout(
 
     async def ticked() -> bool:
         try:
-            return await manager.query("last_tick") is not None
+            return await manager.query(PlacementManager.last_tick) is not None
         except RPCError:  # the worker has not started its manager yet
             return False
 

@@ -26,6 +26,7 @@ from iris.controller.errors import NotFound
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.jobs import JobState, JobStatus
 from iris.store.models import CancelResult, HandleState
+from workflows.job import JobWorkflow
 
 H100 = {"device_type": "h100", "gpu_count": 8}
 
@@ -291,7 +292,9 @@ async def test_a_cancel_whose_workflow_task_the_server_failed_is_sent_again(
     cancel = asyncio.create_task(stack.iris.cancel_and_report(job_id))
     try:
         await wait_until(step_started, what="the cancel step to start")
-        await stack.client.get_workflow_handle(job_id).signal("explain", "a tick's reason, mid-task")
+        await stack.client.get_workflow_handle(job_id).signal(
+            JobWorkflow.explain, "a tick's reason, mid-task"
+        )
     finally:
         release.set()
     outcome = await asyncio.wait_for(cancel, 60)
@@ -324,7 +327,7 @@ async def test_cancel_recorded_in_the_store_before_promotion_wins_the_cas(stack:
     from iris.policy.models import Placement
 
     placement = Placement(job_id=job_id, peer_id="cw-us-east-02a", backend_id="h100-us-east-02a")
-    await stack.client.get_workflow_handle(job_id).signal("place", placement)
+    await stack.client.get_workflow_handle(job_id).signal(JobWorkflow.place, placement)
     final = await stack.iris.wait(job_id, timeout_s=30)
     assert final.state is JobState.KILLED
     assert final.reason == "Cancelled before handoff"

@@ -16,7 +16,8 @@ from temporalio.client import WorkflowHistory
 from temporalio.testing import ActivityEnvironment
 
 from activities.peers import PeerActivities
-from iris.jobs import JobState, workflow_id
+from iris.contract import job_workflow_id
+from iris.jobs import JobState
 from workflows.job import LOCAL_STEPS_PATCH
 
 H100 = {"device_type": "h100", "gpu_count": 8}
@@ -25,7 +26,7 @@ BACKENDS = "GET /v1/backends"
 
 async def history_of(stack: Stack, job_id: str) -> WorkflowHistory:
     """The closed run's whole history (the status turns terminal before the last store write)."""
-    handle = stack.client.get_workflow_handle(workflow_id(job_id))
+    handle = stack.client.get_workflow_handle(job_workflow_id(job_id))
     await handle.result()
     return await handle.fetch_history()
 

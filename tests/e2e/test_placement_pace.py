@@ -16,9 +16,9 @@ from stack import Stack, wait_until
 from temporalio.testing import ActivityEnvironment
 
 from activities.placement import PlacementActivities, TickInput, TickOutcome
-from activities.store import manager_workflow_id
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
+from iris.contract import manager_workflow_id
 from iris.jobs import JobState
 from iris.reports import cluster_report
 from iris.store import FederationStore

@@ -33,8 +33,9 @@ from iris.config import (
     ObjectStoreConfig,
     TemporalConfig,
 )
+from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.executors.ray_jobs import submission_id
-from iris.jobs import SEARCH_ATTRIBUTE_KEYS, JobState
+from iris.jobs import JobState
 from iris.store import FederationStore
 from worker.main import build_worker, ensure_manager
 

@@ -24,9 +24,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from security_support import RESTRICTED_DOMAIN, Keys, Responses, Restricted
 from stack import Stack, wait_until
 
-from activities.store import manager_workflow_id
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig
+from iris.contract import manager_workflow_id
 from iris.controller.models import LaunchRequest
 from iris.jobs import JobSpec, JobState
 from iris.store import FederationStore

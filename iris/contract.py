@@ -1,0 +1,123 @@
+"""The Temporal contract of the federation: every name a client, a worker and an operator's tool
+must agree on, in one place (docs/DESIGN.md, "The Temporal contract").
+
+Workflow types, workflow ids, task queues, message names (signals, updates, queries), activity
+names, search attributes, the memo key and the error types activities raise. The workflows and
+activities declare themselves under these names; the SDK sends messages by typed reference to the
+workflow's methods (``handle.signal(JobWorkflow.cancel, ...)``), which carry the same names. A test
+(``tests/test_contract.py``) checks both sides against this module, and that no other module of the
+product spells one of these names as a string.
+
+Changing a value here renames something in running histories: it breaks every run in flight.
+"""
+
+from __future__ import annotations
+
+from temporalio.common import SearchAttributeKey
+
+# ---- workflow types ------------------------------------------------------------------------------
+
+JOB_WORKFLOW = "JobWorkflow"
+PLACEMENT_MANAGER = "PlacementManager"
+LIST_PEERS = "ListPeers"
+
+# ---- task queues and workflow ids ----------------------------------------------------------------
+
+PLACEMENT_QUEUE_SUFFIX = "-placement"
+_MANAGER_ID_PREFIX = "iris-placement-manager/"
+_LIST_PEERS_ID_PREFIX = "iris-rpc/list-peers/"
+
+
+def job_workflow_id(job_id: str) -> str:
+    """A job's workflow id is its job id: the UI, the CLI and the peers share one name."""
+    return job_id
+
+
+def manager_workflow_id(task_queue: str) -> str:
+    """One placement manager per task queue (one federation per queue)."""
+    return _MANAGER_ID_PREFIX + task_queue
+
+
+def placement_task_queue(task_queue: str) -> str:
+    """The placement manager's own task queue: its ticks never wait behind the jobs' tasks."""
+    if task_queue.endswith(PLACEMENT_QUEUE_SUFFIX):
+        return task_queue
+    return task_queue + PLACEMENT_QUEUE_SUFFIX
+
+
+def list_peers_workflow_id(unique: str) -> str:
+    return _LIST_PEERS_ID_PREFIX + unique
+
+
+# ---- messages ------------------------------------------------------------------------------------
+# JobWorkflow: signals from the placement tick (place, explain, expire) and the SDK (cancel); the
+# Updates an answer is needed for (cancel_job: did the cancel win?; replay_handoff: an operator's);
+# the status query. PlacementManager: the wake signal and the last_tick query.
+
+PLACE = "place"
+EXPLAIN = "explain"
+EXPIRE = "expire"
+CANCEL = "cancel"
+CANCEL_JOB = "cancel_job"
+REPLAY_HANDOFF = "replay_handoff"
+STATUS = "status"
+WAKE = "wake"
+LAST_TICK = "last_tick"
+
+# ---- activities ----------------------------------------------------------------------------------
+
+FETCH_REPORTS = "fetch_reports"
+CHECK_ARTIFACTS = "check_artifacts"
+STAGE_BUNDLE = "stage_bundle"
+LAUNCH_JOB = "launch_job"
+MIRROR_JOB = "mirror_job"
+TERMINATE_JOB = "terminate_job"
+ENQUEUE_JOB = "enqueue_job"
+PROMOTE_JOB = "promote_job"
+RECORD_CANCEL = "record_cancel"
+EXPIRE_JOB = "expire_job"
+SET_HANDLE_STATE = "set_handle_state"
+REQUEUE_JOB = "requeue_job"
+PLACEMENT_TICK = "placement_tick"
+
+# ---- error types activities raise (ApplicationError.type) ----------------------------------------
+
+# A cluster refused the job or its bundle: final, never retried (HANDOFF_REJECTED).
+HANDOFF_REJECTED = "HandoffRejected"
+# The cluster that ran the job no longer knows it.
+JOB_LOST = "JobLost"
+# The job's workspace bundle is not (intact) in the home store: nothing to stage until an operator acts.
+BUNDLE_UNAVAILABLE = "BundleUnavailable"
+
+# ---- visibility ----------------------------------------------------------------------------------
+# Registered in every environment (dev server flags, test fixtures, the compose bootstrap): a
+# workflow upserting one the server does not know fails its task for ever (docs/DESIGN.md).
+
+SA_STATE = SearchAttributeKey.for_keyword("IrisState")
+SA_PEER = SearchAttributeKey.for_keyword("IrisPeer")
+SA_DEVICE_VARIANT = SearchAttributeKey.for_keyword("IrisDeviceVariant")
+SA_BAND = SearchAttributeKey.for_keyword("IrisBand")
+SA_SUBMITTER = SearchAttributeKey.for_keyword("IrisSubmitter")
+SEARCH_ATTRIBUTE_KEYS = (SA_STATE, SA_PEER, SA_DEVICE_VARIANT, SA_BAND, SA_SUBMITTER)
+SEARCH_ATTRIBUTES: dict[str, str] = {key.name: "Keyword" for key in SEARCH_ATTRIBUTE_KEYS}
+# The memo key holding a job's current reason (so `iris job list` needs no query per job).
+MEMO_REASON = "reason"
+
+MESSAGE_NAMES = (PLACE, EXPLAIN, EXPIRE, CANCEL, CANCEL_JOB, REPLAY_HANDOFF, STATUS, WAKE, LAST_TICK)
+ACTIVITY_NAMES = (
+    FETCH_REPORTS,
+    CHECK_ARTIFACTS,
+    STAGE_BUNDLE,
+    LAUNCH_JOB,
+    MIRROR_JOB,
+    TERMINATE_JOB,
+    ENQUEUE_JOB,
+    PROMOTE_JOB,
+    RECORD_CANCEL,
+    EXPIRE_JOB,
+    SET_HANDLE_STATE,
+    REQUEUE_JOB,
+    PLACEMENT_TICK,
+)
+WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS)
+ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE)
