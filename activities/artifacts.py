@@ -1,4 +1,4 @@
-"""Artifact presence in the destination cluster's own object store (SPEC §7).
+"""Artifact presence in the destination cluster's own object store (docs/DESIGN.md, "Artifact check").
 
 The destination's controller checks, with its own credentials (``POST /v1/artifacts/check``,
 ``iris/controller/artifacts.py``); this activity only asks it, signed as the home cluster. No

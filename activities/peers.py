@@ -56,8 +56,9 @@ class StageResult(BaseModel):
 
 
 def controller_client(config: FederationConfig, cluster: str, timeout_s: float) -> ControllerClient:
-    """A client of ``cluster``'s controller, signed as the home cluster when it requires it (SPEC
-    §7); a non-retryable error for an unknown cluster or an unusable key."""
+    """A client of ``cluster``'s controller, signed as the home cluster when it requires it
+    (docs/DESIGN.md, "Identity tokens"); a non-retryable error for an unknown cluster or an unusable
+    key."""
     try:
         return ControllerClient.for_cluster(config, cluster, timeout=timeout_s)
     except KeyError:

@@ -88,7 +88,7 @@ class StoreActivities:
 
     @activity.defn(name=contract.PROMOTE_JOB)
     async def promote_job(self, inp: PromoteInput) -> PromoteResult:
-        """The compare-and-swap of SPEC §6, in one store transaction."""
+        """The compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)"), in one store transaction."""
         return await asyncio.to_thread(
             self._store.promote, inp.job_id, inp.incarnation, inp.placement, int(time.time() * 1000)
         )

@@ -93,7 +93,8 @@ def dev_command(
     data_dir.mkdir(parents=True, exist_ok=True)
     # This process hosts the worker: the home cluster's credentials only (each controller gets its own).
     os.environ.update(devstack.store_credentials(cfg, cfg.home))
-    # Each cluster's signing key pair, created on first start (SPEC §7); children inherit the dir.
+    # Each cluster's signing key pair, created on first start (docs/DESIGN.md, "Where secrets live");
+    # children inherit the dir.
     key_dir = data_dir / "keys"
     created = ensure_cluster_keys(cfg, key_dir)
     os.environ[KEY_DIR_ENV] = str(key_dir)

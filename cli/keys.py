@@ -1,4 +1,4 @@
-"""`iris keys ...`: a cluster's signing identity (SPEC §7)."""
+"""`iris keys ...`: a cluster's signing identity (docs/DESIGN.md, "Where secrets live")."""
 
 from __future__ import annotations
 

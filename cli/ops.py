@@ -1,4 +1,4 @@
-"""`iris ops ...`: operator tools (SPEC §9).
+"""`iris ops ...`: operator tools (docs/DESIGN.md, "Operations").
 
 Each command is one function registered on ``ops_app``; the logic it needs lives next to it (or in
 the SDK) so tests can call it without a subprocess.

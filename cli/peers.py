@@ -23,7 +23,8 @@ async def _view() -> FederationView:
 
 
 def peer_json(report: PeerReport) -> dict[str, Any]:
-    """One peer in the documented shape (SPEC §10), plus ``error`` when it is unreachable."""
+    """One peer in the documented shape (docs/DESIGN.md, "Interfaces"), plus ``error`` when it is
+    unreachable."""
     out: dict[str, Any] = {
         "peer_id": report.peer_id,
         "reachable": report.reachable,

@@ -1,4 +1,5 @@
-"""`iris ops replay-handoff`: an operator re-runs a failed handoff (SPEC §9)."""
+"""`iris ops replay-handoff`: an operator re-runs a failed handoff
+(docs/DESIGN.md, "Replaying a failed handoff")."""
 
 from __future__ import annotations
 

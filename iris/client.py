@@ -104,7 +104,7 @@ class InvalidJob(IrisError):
 
 
 class JobRejected(IrisError):
-    """No cluster in the federation can ever run this job (SPEC §4 reject)."""
+    """No cluster in the federation can ever run this job (docs/DESIGN.md, "Classification": reject)."""
 
     exit_code = 2
 
@@ -513,7 +513,8 @@ class AsyncIrisClient:
     async def replay_handoff(
         self, job_id: str, *, peer: str | None = None, requeue: bool = False, reason: str = "operator replay"
     ) -> str:
-        """Operator: re-run the artifact check and handoff of a job whose handoff failed (SPEC §9).
+        """Operator: re-run the artifact check and handoff of a job whose handoff failed
+        (docs/DESIGN.md, "Replaying a failed handoff").
 
         A job parked in HANDOFF_FAILED is replayed in place (same cluster, ``peer``, or back to the
         queue). A closed HANDOFF_REJECTED run is reset to just before its handoff, which then runs
@@ -647,7 +648,8 @@ class AsyncIrisClient:
             await asyncio.sleep(poll_interval_s)
 
     async def logs(self, job_id: str, offset: int = 0) -> LogChunk:
-        """The job's output from ``offset`` on, from the home cluster's relayed copy (SPEC §8).
+        """The job's output from ``offset`` on, from the home cluster's relayed copy
+        (docs/DESIGN.md, "Logs").
 
         Works wherever the job ran, and after the peer has forgotten it; ``eof`` once the job has
         ended and everything was read.

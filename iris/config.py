@@ -107,7 +107,7 @@ class ObjectStoreConfig(BaseModel):
 
 
 class AuthConfig(BaseModel):
-    """A cluster's identity and who it admits (SPEC §7).
+    """A cluster's identity and who it admits (docs/DESIGN.md, "Identity tokens", "Admission order").
 
     Key material is named, never inlined (except public keys, which are not secret): a file path or
     an environment variable holding the PEM. Relative paths resolve against the key directory given
@@ -180,7 +180,7 @@ class TemporalConfig(BaseModel):
 class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
-    # A peer report older than this is treated as unknown (SPEC §5).
+    # A peer report older than this is treated as unknown (docs/DESIGN.md, "Staleness and reachability").
     stale_after_ms: int = Field(default=30_000, ge=1)
     clusters: list[ClusterConfig]
     s3_port: int = 9200
@@ -188,7 +188,8 @@ class FederationConfig(BaseModel):
     # The federation store (queue handles, reservation ledger, reports). Empty = SQLite file in the
     # data directory; IRIS_STORE_URL overrides (e.g. postgresql+psycopg://user@host/db).
     store_url: str = ""
-    # The placement tick (SPEC §5): its period, and how many jobs one tick may send to one peer.
+    # The placement tick (docs/DESIGN.md, "The tick"): its period, and how many jobs one tick may
+    # send to one peer.
     tick_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_per_peer_per_tick: int | None = Field(default=8, ge=1)
 

@@ -228,7 +228,7 @@ def controller(
         log_path=data_dir / "logs" / f"controller-{cluster}.log",
         ready=lambda: http_ok(f"{url}/v1/health"),
         address=url,
-        # Its own store's credentials, and no other cluster's (SPEC §7).
+        # Its own store's credentials, and no other cluster's (docs/DESIGN.md, "Credentials").
         env=store_credentials(config, cluster),
     )
 
@@ -287,7 +287,8 @@ def ensure_buckets(config: FederationConfig) -> None:
 # ---- Ray (``iris dev --ray`` and the Ray tests) ------------------------------------------------
 
 # The Ray head and its jobs start from these variables only: the dev process holds the home
-# cluster's object-store credentials and the key directory, which must not reach jobs (SPEC §7).
+# cluster's object-store credentials and the key directory, which must not reach jobs
+# (docs/DESIGN.md, "Where secrets live").
 _RAY_ENV_PASSTHROUGH = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
 # Ray's session sockets live under its temp dir; a Unix socket path must stay under 108 bytes.
 _RAY_MAX_TEMP_DIR = 40

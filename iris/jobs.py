@@ -1,4 +1,4 @@
-"""The job as users, the SDK, the CLI and the job workflow see it (SPEC §3).
+"""The job as users, the SDK, the CLI and the job workflow see it (docs/DESIGN.md, "Job states").
 
 These models are Temporal payloads (pydantic converter) and the SDK's return types; they hold
 no secrets: credentials stay with each cluster's own configuration.
@@ -6,30 +6,52 @@ no secrets: credentials stay with each cluster's own configuration.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
+from types import MappingProxyType
 
 from pydantic import BaseModel, Field
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
 from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_STATE, SA_SUBMITTER
+from iris.controller.models import ControllerJobState
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
+from iris.store.models import HandleState
 
 
 class JobState(StrEnum):
+    """Where a job is, as its workflow, the CLI, the SDK and the Web UI (``IrisState``) say it. The
+    transitions: docs/DESIGN.md, "Job states"."""
+
+    # Reading the federation's capacity reports and deciding: home, queue or reject.
     CLASSIFYING = "CLASSIFYING"
+    # In the federation queue, waiting for the placement tick to offer capacity.
     QUEUED_HANDOFF = "QUEUED_HANDOFF"
+    # Promoted (or running at home): artifacts checked, handoff being prepared or sent.
     PENDING_HANDOFF = "PENDING_HANDOFF"
+    # The chosen cluster accepted the job.
     HANDED_OFF = "HANDED_OFF"
+    # Mirrored: on its cluster, waiting for devices.
     PENDING = "PENDING"
+    # The job's workspace bundle is being staged on the cluster that will run it.
     BUILDING = "BUILDING"
+    # Mirrored: running on its cluster.
     RUNNING = "RUNNING"
+    # Ended: every replica exited 0.
     SUCCEEDED = "SUCCEEDED"
+    # Ended: a replica failed, timed out, or its cluster lost it.
     FAILED = "FAILED"
+    # Ended: cancelled (before handoff, or terminated on its cluster).
     KILLED = "KILLED"
+    # Ended: its scheduling timeout passed before any cluster had room.
     UNSCHEDULABLE = "UNSCHEDULABLE"
+    # Ended at submit: no backend anywhere in the federation has its shape.
     REJECTED = "REJECTED"
+    # Ended: the chosen cluster refused the job (or its bundle) for good.
     HANDOFF_REJECTED = "HANDOFF_REJECTED"
+    # Parked: the handoff cannot complete (outage past the retries, a missing artifact or bundle);
+    # it waits for an operator's replay or a cancel.
     HANDOFF_FAILED = "HANDOFF_FAILED"
 
     @property
@@ -47,6 +69,39 @@ TERMINAL_STATES = frozenset(
         JobState.HANDOFF_REJECTED,
     }
 )
+
+# The one mapping between the three layers' vocabularies (docs/DESIGN.md, "The three vocabularies"):
+# a cluster's job state as the job's, and a job's end as its queue handle's. Read-only: the workflow
+# module that uses them is imported once for every run (workflows/runner.py).
+_MIRRORED: Mapping[ControllerJobState, JobState] = MappingProxyType(
+    {
+        ControllerJobState.PENDING: JobState.PENDING,
+        ControllerJobState.RUNNING: JobState.RUNNING,
+        ControllerJobState.SUCCEEDED: JobState.SUCCEEDED,
+        ControllerJobState.FAILED: JobState.FAILED,
+        ControllerJobState.KILLED: JobState.KILLED,
+        ControllerJobState.WORKER_FAILED: JobState.FAILED,
+    }
+)
+_HANDLE_END: Mapping[JobState, HandleState] = MappingProxyType(
+    {
+        JobState.SUCCEEDED: HandleState.SUCCEEDED,
+        JobState.FAILED: HandleState.FAILED,
+        JobState.KILLED: HandleState.KILLED,
+        JobState.UNSCHEDULABLE: HandleState.UNSCHEDULABLE,
+        JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
+    }
+)
+
+
+def mirrored_state(remote: ControllerJobState) -> JobState:
+    """A job's state as the cluster running it reports it (``WORKER_FAILED`` is a failure)."""
+    return _MIRRORED[remote]
+
+
+def handle_end(state: JobState) -> HandleState | None:
+    """The queue handle's final state for a job that ended so; None if the handle is not ended."""
+    return _HANDLE_END.get(state)
 
 
 class JobSpec(BaseModel):

@@ -1,4 +1,5 @@
-"""The home-side copy of every job's output (SPEC §8), kept in the home cluster's object store.
+"""The home-side copy of every job's output (docs/DESIGN.md, "Logs"), kept in the home cluster's
+object store.
 
 The mirror activity copies each new piece of a job's log from the cluster that runs it into
 immutable objects ``iris-logs/<job id>/<start>-<end>``, named by the controller's byte offsets,

@@ -77,8 +77,8 @@ def config_view(config: FederationConfig, *, now_ms: int) -> FederationView:
     """The federation's shapes as configured: every cluster reachable, no capacity block.
 
     Enough to refuse, before anything starts, a pin to an unknown cluster or a shape that no
-    backend anywhere has (SPEC §4), without credentials for any controller. The job workflow then
-    classifies against live reports.
+    backend anywhere has (docs/DESIGN.md, "Classification"), without credentials for any controller.
+    The job workflow then classifies against live reports.
     """
     reports = [
         PeerReport(

@@ -1,4 +1,5 @@
-"""Submission rules that need no service: `--cluster`, Python scripts, the workspace (SPEC §12).
+"""Submission rules that need no service: `--cluster`, Python scripts, the workspace
+(docs/DESIGN.md, "Workspace bundles").
 
 The same checks run in the CLI and the SDK before anything is contacted, so a bad submission is
 refused here, in milliseconds, with one line.

@@ -1,7 +1,7 @@
 """ListPeers: one live poll of every controller, for `iris peers` and `iris rpc controller list-peers`.
 
 A short workflow rather than a direct call, so a CLI needs nothing but Temporal: the signing keys
-stay with the workers (SPEC §7).
+stay with the workers (docs/DESIGN.md, "Where secrets live").
 """
 
 from __future__ import annotations

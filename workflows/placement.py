@@ -1,4 +1,4 @@
-"""PlacementManager: the periodic placement tick (SPEC §5) as an entity workflow.
+"""PlacementManager: the periodic placement tick (docs/DESIGN.md, "The tick") as an entity workflow.
 
 Ticks every ``interval_s``, at once when a job enters the queue (signal ``wake``), and at once
 again after a tick that filled some peer's per-tick cap with jobs left waiting; the tick itself is

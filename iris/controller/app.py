@@ -1,4 +1,5 @@
-"""The cluster controller HTTP API (SPEC §5, §7, §8): FastAPI app over the executor and its backends.
+"""The cluster controller HTTP API (docs/DESIGN.md, "Capacity reports", "Handoff and admission",
+"Mirroring, logs and cancellation"): FastAPI app over the executor and its backends.
 
 Every error leaves as ``{"code", "message"}`` with one of six stable codes; request validation
 errors are INVALID_ARGUMENT (400), never FastAPI's default 422 shape.
@@ -194,7 +195,8 @@ def create_app(
 
     @app.post("/v1/jobs", response_model=JobStatus, tags=["jobs"])
     async def launch(req: LaunchRequest, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
-        # Admission order is SPEC §7's: local_admin, requester == issuer, allowed submitters.
+        # Admission order (docs/DESIGN.md, "Admission order"): local_admin, requester == issuer,
+        # allowed submitters.
         if req.user.strip().lower() == LOCAL_ADMIN:
             raise PermissionDenied("the local_admin submitter cannot hand off jobs")
         if caller.cluster is not None and req.requester != caller.cluster:

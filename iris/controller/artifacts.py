@@ -1,9 +1,11 @@
-"""``POST /v1/artifacts/check``: a cluster checks declared artifacts in its OWN object store (SPEC §7).
+"""``POST /v1/artifacts/check``: a cluster checks declared artifacts in its OWN object store
+(docs/DESIGN.md, "Artifact check").
 
 The artifact check of a handoff runs on the destination's controller, with the destination's
 credentials: the federation's worker asks (signed, like every other call) and gets back which URIs
 the destination cannot read, each with a reason a human can act on. No credential ever leaves the
-cluster that owns it (SPEC: "Credentials are not transferred between clouds").
+cluster that owns it (docs/DESIGN.md, "Credentials": "credentials are not transferred between
+clouds").
 
 The wire models and the check are importable without FastAPI (the worker and the CLI import the
 client, which parses ``ArtifactReport``); the router is built by ``router(cluster)``, which imports

@@ -12,7 +12,8 @@ from iris.controller.models import ErrorCode
 
 
 class ControllerError(Exception):
-    """An error with a stable code (SPEC §7) and a human message."""
+    """An error with a stable code (docs/DESIGN.md, "Errors, retries and parking") and a human
+    message."""
 
     code: ErrorCode = ErrorCode.UNAVAILABLE
 
@@ -23,7 +24,8 @@ class ControllerError(Exception):
 
     @property
     def retryable(self) -> bool:
-        """Transient errors worth retrying with backoff; refusals are final (SPEC §7)."""
+        """Transient errors worth retrying with backoff; refusals are final (docs/DESIGN.md,
+        "Errors, retries and parking")."""
         return self.code in (ErrorCode.UNAVAILABLE, ErrorCode.UNAUTHENTICATED)
 
     @property

@@ -1,4 +1,4 @@
-"""Signed cluster identity and admission (SPEC §7).
+"""Signed cluster identity and admission (docs/DESIGN.md, "Identity tokens", "Admission order").
 
 A requester cluster signs every request with a fresh short-lived EdDSA (Ed25519) JWT:
 ``aud=federation``, ``iss=sub=<requester cluster>``, a unique ``jti`` and ``exp - iat <= 300 s``.

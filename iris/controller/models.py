@@ -1,4 +1,5 @@
-"""Wire models of the cluster controller API (SPEC §5, §7, §8).
+"""Wire models of the cluster controller API (docs/DESIGN.md, "Capacity reports",
+"Handoff and admission", "Mirroring, logs and cancellation").
 
 These are the request and response bodies of the HTTP API; the client library parses the same
 models, so both sides agree on one definition.
@@ -68,7 +69,7 @@ class ErrorBody(BaseModel):
 
 
 class LaunchRequest(BaseModel):
-    """The handoff: run ``command`` under ``job_id`` on ``backend_id`` (SPEC §7)."""
+    """The handoff: run ``command`` under ``job_id`` on ``backend_id`` (docs/DESIGN.md, "Launch")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -111,12 +112,21 @@ class LaunchRequest(BaseModel):
 
 
 class ControllerJobState(StrEnum):
+    """A job as the cluster running it reports it (the home side mirrors it with
+    ``iris.jobs.mirrored_state``; docs/DESIGN.md, "The three vocabularies")."""
+
+    # Accepted, waiting for its backend's devices (FIFO by band, then arrival).
     PENDING = "PENDING"
+    # Its processes (or Ray job) are running.
     RUNNING = "RUNNING"
+    # Every replica exited 0.
     SUCCEEDED = "SUCCEEDED"
+    # A replica exited non-zero (the first failure's code), timed out, or Ray failed it.
     FAILED = "FAILED"
+    # Terminated on request (or stopped in Ray).
     KILLED = "KILLED"
-    # The controller lost track of the job's process (e.g. it died with the controller).
+    # The controller lost track of the job's processes (e.g. they died with the controller): its
+    # outcome is unknown.
     WORKER_FAILED = "WORKER_FAILED"
 
     @property

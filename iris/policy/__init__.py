@@ -1,4 +1,5 @@
-"""The pure scheduling policy: classification, availability and placement (SPEC §2, §4, §5).
+"""The pure scheduling policy: classification, availability and placement (docs/DESIGN.md,
+"Vocabulary", "Classification", "Placement").
 
 No I/O and no temporalio: callers pass reports, the ledger and ``now_ms`` in, and get decisions out.
 """
@@ -14,7 +15,12 @@ from iris.policy.availability import (
     working_capacity,
 )
 from iris.policy.classify import classify, pick_backend
-from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
+from iris.policy.explain import (
+    CANCELLED_BEFORE_HANDOFF,
+    DEADLINE_PASSED,
+    QUEUED_REASON,
+    queued_for_peer_reason,
+)
 from iris.policy.models import (
     AVAILABILITY_VERSION,
     DEVICE_TYPES,
@@ -54,6 +60,8 @@ from iris.policy.routing import (
 
 __all__ = [
     "AVAILABILITY_VERSION",
+    "CANCELLED_BEFORE_HANDOFF",
+    "DEADLINE_PASSED",
     "DEVICE_TYPES",
     "MAX_COUNT",
     "QUEUED_REASON",

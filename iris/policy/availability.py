@@ -1,4 +1,5 @@
-"""Capacity as the policy sees it (SPEC §5): gates, versioned blocks, bands, reservations, staleness.
+"""Capacity as the policy sees it (docs/DESIGN.md, "Placement"): gates, versioned blocks, bands,
+reservations, staleness.
 
 A backend's block says what is idle (``amounts``) and what admitted work holds per band
 (``held_by_band``). A job of band B may use the idle capacity plus whatever is held by strictly
@@ -37,8 +38,8 @@ class PeerStatus(StrEnum):
 def gate(device: DeviceRequest) -> tuple[str, int] | None:
     """``(token, amount)`` a backend must have available, or None when the request is not gated.
 
-    Only a GPU with a concrete variant is gated (SPEC §5): CPU is fungible, ``auto`` names no token,
-    and TPU slices are matched on shape.
+    Only a GPU with a concrete variant is gated (docs/DESIGN.md, "Vocabulary"): CPU is fungible,
+    ``auto`` names no token, and TPU slices are matched on shape.
     """
     variant = device.variant.strip().lower()
     if device.type.strip().lower() != "gpu" or not variant or variant == AUTO_VARIANT:

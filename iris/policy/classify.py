@@ -1,4 +1,5 @@
-"""Submit-time classification (SPEC §4): run at home, queue for the federation, or reject.
+"""Submit-time classification (docs/DESIGN.md, "Classification"): run at home, queue for the
+federation, or reject.
 
 In order: an explicit pin wins; then prefer-local when a home backend has the capacity free now;
 then queue (unpinned) when any home backend or reachable peer backend has the job's shape; else
@@ -7,8 +8,8 @@ candidate of the queue, so a job that found home full runs there as soon as home
 
 A cluster that is unreachable or stale at submit hosts nothing, but its backends still exist
 (its last report's, or as configured): a job only such a cluster can run is queued, and waits for
-it, rather than rejected because a controller was restarting (SPEC §4 rejects a shape that no
-backend anywhere has).
+it, rather than rejected because a controller was restarting (docs/DESIGN.md, "Classification": it
+rejects a shape that no backend anywhere has).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def classify(
     reservations: Sequence[Reservation] = (),
     configured: Mapping[str, Sequence[BackendReport]] | None = None,
 ) -> Classification:
-    """Classify a root job at submit (SPEC §4); ``reports`` has one entry per cluster, home included.
+    """Classify a root job at submit (docs/DESIGN.md, "Classification"); ``reports`` has one entry
+    per cluster, home included.
 
     ``configured`` holds clusters' backends as configured, used only for a cluster whose live report
     is not OK (it says which shapes exist there, never what is free).

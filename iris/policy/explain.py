@@ -12,6 +12,10 @@ from iris.policy.models import Band, Constraint, PeerVerdict, WaitingGroup, Wait
 from iris.policy.routing import constraint_holds
 
 QUEUED_REASON = "Queued for a federation peer to report free capacity"
+# The reasons of the two ends a queued job can reach without a cluster, as the job and its queue
+# handle both record them.
+CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
+DEADLINE_PASSED = "Scheduling timeout passed before any cluster had room"
 
 
 def queued_for_peer_reason(peer_id: str) -> str:

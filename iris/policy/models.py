@@ -1,4 +1,5 @@
-"""Plain models the scheduling policy reasons about (SPEC §2, §4, §5).
+"""Plain models the scheduling policy reasons about (docs/DESIGN.md, "Vocabulary", "Classification",
+"Placement").
 
 Pure data: no I/O, no temporalio. The same models travel through Temporal payloads
 (pydantic converter), the controller API and the CLI's JSON output.
@@ -91,7 +92,8 @@ class HeldByBand(BaseModel):
 
 
 class Availability(BaseModel):
-    """A backend's versioned capacity block (SPEC §5). Tokens are lowercased variants in chips."""
+    """A backend's versioned capacity block (docs/DESIGN.md, "Capacity reports"). Tokens are
+    lowercased variants in chips."""
 
     version: int = AVAILABILITY_VERSION
     # Stored as a 64-bit integer (the reservation ledger): a report claiming more is malformed.
@@ -138,14 +140,14 @@ class Disposition(StrEnum):
 
 
 class Classification(BaseModel):
-    """The submit-time decision (SPEC §4), with the reason a human reads."""
+    """The submit-time decision (docs/DESIGN.md, "Classification"), with the reason a human reads."""
 
     disposition: Disposition
     pinned_cluster: str | None = None
     reason: str
 
 
-# --- Availability ledger and the placement tick (SPEC §5, §6) ---
+# --- Availability ledger and the placement tick (docs/DESIGN.md, "Placement", "Promotion (the CAS)") ---
 
 
 class Reservation(BaseModel):

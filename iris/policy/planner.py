@@ -1,4 +1,4 @@
-"""The placement tick (SPEC §5): a pure function of (queue, reports, ledger).
+"""The placement tick (docs/DESIGN.md, "The tick"): a pure function of (queue, reports, ledger).
 
 Jobs go in (band, submit time) order; each takes the best (peer, backend) by: verified capacity
 before shape-only, idle before preempting, home before peers, tightest fit, peer id, backend id.

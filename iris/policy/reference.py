@@ -1,4 +1,4 @@
-"""A deliberately simple tick planner: the executable specification of SPEC §5.
+"""A deliberately simple tick planner: the executable specification of docs/DESIGN.md, "The tick".
 
 For every job it scores every backend of every peer. Too slow for a large queue, but easy to read;
 the property tests require :func:`iris.policy.planner.plan` to return exactly what this returns,

@@ -1,4 +1,4 @@
-"""Device requests and routing constraints (SPEC §2).
+"""Device requests and routing constraints (docs/DESIGN.md, "Vocabulary").
 
 Normalizes what a user typed into a :class:`DeviceRequest`, derives a job's routing constraints,
 and matches constraints against a backend's advertised attributes.
@@ -88,7 +88,7 @@ def device_request(
 
 
 def normalize_constraint(constraint: Constraint) -> Constraint:
-    """Lowercase key and values (SPEC §2 compares case-insensitively)."""
+    """Lowercase key and values (docs/DESIGN.md, "Vocabulary": compared case-insensitively)."""
     key = constraint.key.strip().lower()
     values = tuple(v.strip().lower() for v in constraint.values)
     if key == constraint.key and values == constraint.values:
@@ -174,7 +174,8 @@ def first_unmatched(
 
 
 def matches(constraints: Iterable[Constraint], attributes: Mapping[str, Sequence[str]]) -> bool:
-    """Whether a backend advertising ``attributes`` satisfies every constraint (SPEC §2)."""
+    """Whether a backend advertising ``attributes`` satisfies every constraint (docs/DESIGN.md,
+    "Vocabulary")."""
     return first_unmatched(constraints, attributes) is None
 
 

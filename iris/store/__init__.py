@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from iris.policy.explain import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteOutcome, PromoteResult
 
 if TYPE_CHECKING:
     from iris.store.schema import LATEST_VERSION, MIGRATIONS, Migration
-    from iris.store.store import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED, FederationStore
+    from iris.store.store import FederationStore
 
 # SQLAlchemy is imported on first use of these: the workflow code and the CLI import this
 # package's models, not the engine (a third of a second of start-up on this machine).
@@ -22,8 +23,6 @@ _LAZY = {
     "LATEST_VERSION": "iris.store.schema",
     "MIGRATIONS": "iris.store.schema",
     "Migration": "iris.store.schema",
-    "CANCELLED_BEFORE_HANDOFF": "iris.store.store",
-    "DEADLINE_PASSED": "iris.store.store",
     "FederationStore": "iris.store.store",
 }
 

@@ -1,4 +1,5 @@
-"""What the federation store holds and answers (SPEC §3, §6): job handles and CAS outcomes."""
+"""What the federation store holds and answers (docs/DESIGN.md, "Job states",
+"Promotion (the CAS)"): job handles and CAS outcomes."""
 
 from __future__ import annotations
 
@@ -11,15 +12,23 @@ from iris.policy.models import Band, JobShape, Reservation
 
 
 class HandleState(StrEnum):
-    """Where a queued job's handle is in the federation lifecycle."""
+    """Where a queued job's handle is in the federation store: what the tick, the CAS and the
+    ledger act on. Only jobs that went through the queue have one (docs/DESIGN.md, "The three
+    vocabularies"; ``iris.jobs.handle_end`` maps a job's end to its handle's)."""
 
+    # Waiting: the tick may offer it capacity, the CAS may promote it, a cancel may record intent.
     QUEUED_HANDOFF = "QUEUED_HANDOFF"
+    # Promoted by the CAS to (peer, backend): charged to the ledger against that observation.
     PENDING_HANDOFF = "PENDING_HANDOFF"
+    # The chosen cluster accepted the job.
     HANDED_OFF = "HANDED_OFF"
+    # The handoff is parked for an operator (the job's HANDOFF_FAILED).
     HANDOFF_FAILED = "HANDOFF_FAILED"
+    # Ended as the job did.
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     KILLED = "KILLED"
+    # Expired before promotion: never promoted afterwards.
     UNSCHEDULABLE = "UNSCHEDULABLE"
     HANDOFF_REJECTED = "HANDOFF_REJECTED"
 

@@ -1,4 +1,5 @@
-"""The federation store (SPEC §1, §6): queue handles, the reservation ledger, reports and reasons.
+"""The federation store (docs/DESIGN.md, "Components", "Promotion (the CAS)"): queue handles, the
+reservation ledger, reports and reasons.
 
 Every public method is one transaction. Writes that must not interleave are serialized by the
 database, not by this process, so any number of workers can share one store:
@@ -27,6 +28,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from iris.policy.availability import live_reservations, usable_block, working_capacity
+from iris.policy.explain import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED
 from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservation
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import (
@@ -41,8 +43,6 @@ from iris.store.schema import reservations as reservations_table
 
 T = TypeVar("T")
 
-CANCELLED_BEFORE_HANDOFF = "Cancelled before handoff"
-DEADLINE_PASSED = "Scheduling deadline passed before the job could be placed"
 
 _WRITE_OPTION = "iris_store_write"
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -283,7 +283,7 @@ class FederationStore:
 
         return self._run(body, write=False)
 
-    # ---- the compare-and-swap (SPEC §6) --------------------------------------------------------
+    # ---- the compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)") --------------------------
 
     def promote(self, job_id: str, incarnation: str, placement: Placement, now_ms: int) -> PromoteResult:
         """Move the handle QUEUED_HANDOFF → PENDING_HANDOFF(peer, backend) and charge the ledger.

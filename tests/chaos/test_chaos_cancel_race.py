@@ -1,4 +1,6 @@
-"""Cancel versus promotion, 1000 times with randomized timing (SPEC §6, §8, §11.1, §11.2).
+"""Cancel versus promotion, 1000 times with randomized timing (docs/DESIGN.md,
+"Promotion (the CAS)", "Cancellation", "1. A job is handed off at most once per incarnation",
+"2. A cancel recorded before promotion is never delivered").
 
 What races: a cancel — the ``cancel_job`` Update, the ``cancel`` signal, Temporal's own cancel, or an
 operator recording the intent straight in the federation store — against the tick's ``place``

@@ -1,5 +1,6 @@
-"""``POST /v1/artifacts/check`` (SPEC §7): a controller checks artifacts in its OWN object store,
-with its own credentials, for any verified caller; and the worker's activity that asks it.
+"""``POST /v1/artifacts/check`` (docs/DESIGN.md, "Artifact check"): a controller checks artifacts in
+its OWN object store, with its own credentials, for any verified caller; and the worker's activity
+that asks it.
 
 The S3 service is moto, in this process, with IAM authentication enforced: an object is found only
 by a request signed with valid keys. The keys live in the peer controller's environment alone (this

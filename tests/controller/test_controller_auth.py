@@ -1,4 +1,5 @@
-"""Identity and admission (SPEC §7, issue 4 item 4) against real controller processes.
+"""Identity and admission (docs/DESIGN.md, "Handoff and admission"; issue 4 item 4) against real
+controller processes.
 
 Each refusal has a test that passes only while its check is in place.
 """

@@ -19,7 +19,9 @@ from workflows.runner import PASSED_THROUGH, workflow_runner
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = sorted((ROOT / "workflows").glob("*.py"))
 # Calls whose results are immutable, or only ever read (RetryPolicy is handed to the SDK as is).
-IMMUTABLE_CALLS = {"timedelta", "RetryPolicy", "TypeVar", "MappingProxyType", "frozenset", "tuple"}
+# A dataclass ``field(default_factory=...)`` gives each instance its own value and leaves no class
+# attribute behind (and dataclasses refuse a mutable plain default).
+IMMUTABLE_CALLS = {"timedelta", "RetryPolicy", "TypeVar", "MappingProxyType", "frozenset", "tuple", "field"}
 
 
 def immutable(node: ast.expr | None) -> bool:

@@ -1,4 +1,5 @@
-"""Determinism (SPEC §9): every committed history replays against the current workflow code.
+"""Determinism (docs/DESIGN.md, "Determinism check"): every committed history replays against the
+current workflow code.
 
 The histories under ``histories/`` were recorded on the real stack by
 ``uv run python -m scripts.record_histories``; a change to workflows/ that breaks one of them would
@@ -26,7 +27,7 @@ from workflows.job import BUNDLE_PATCH, LOCAL_STEPS_PATCH, TERMINAL_LAUNCH_PATCH
 from workflows.placement import PlacementManager
 from workflows.runner import workflow_runner
 
-# The main paths of SPEC §3 the recorder drives; each must stay covered.
+# The main paths (docs/DESIGN.md, "Job states") the recorder drives; each must stay covered.
 REQUIRED = {
     "local",
     "queued_handed_off",

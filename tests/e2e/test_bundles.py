@@ -1,4 +1,5 @@
-"""The user's code travels with the job (SPEC §12, issue 13): the seed's examples, as printed.
+"""The user's code travels with the job (docs/DESIGN.md, "Workspace bundles"; issue 13): the seed's
+examples, as printed.
 
 A workspace here is a directory holding ``my_training_script.py``, which imports a sibling module,
 reads a data file and prints what it was shipped; ignored files sit beside it. Every job runs on the

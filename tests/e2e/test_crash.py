@@ -1,4 +1,6 @@
-"""A worker SIGKILLed mid-lifecycle and restarted: the job completes, handed off once (SPEC §11.1, §11.5).
+"""A worker SIGKILLed mid-lifecycle and restarted: the job completes, handed off once
+(docs/DESIGN.md, "1. A job is handed off at most once per incarnation",
+"5. No submitted job is lost").
 
 Runs on both backends of the GPU peers, like the lifecycle suite: ``[process]`` and ``[ray]``.
 """

@@ -1,4 +1,5 @@
-"""The interfaces people live in, exercised as a user would (SPEC §1, §10)."""
+"""The interfaces people live in, exercised as a user would (docs/DESIGN.md, "Components",
+"Interfaces")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The durable lifecycle on the real stack (SPEC §3, §5–§8): queue → tick → CAS promotion →
+"""The durable lifecycle on the real stack (docs/DESIGN.md, "Data flow"): queue → tick → CAS promotion →
 artifact check → handoff → mirror, with refusals, outages, deadlines, contention and cancels.
 
 Every test runs twice, once per backend of the GPU peers (issue 6: the same scheduling tests pass
@@ -146,7 +146,8 @@ async def test_home_reads_gcs_artifacts_and_refuses_s3_ones(stack: Stack) -> Non
 
 
 async def test_refusal_by_the_peer_is_handoff_rejected_with_its_message(stack: Stack) -> None:
-    # Pinned to a peer with no TPU: force-routed (SPEC §5), and the peer refuses it.
+    # Pinned to a peer with no TPU: force-routed (docs/DESIGN.md, "Pins and force-routing"), and the
+    # peer refuses it.
     job_id = await stack.iris.submit(
         ["true"], name="tpu-forced", target_cluster="cw-rno2a", device_type="tpu-v9", gpu_count=4
     )
@@ -174,7 +175,8 @@ async def test_peer_down_during_handoff_is_retried_and_delivered_exactly_once(st
 async def test_a_job_only_unreachable_peers_can_run_waits_for_them_instead_of_being_rejected(
     stack: Stack,
 ) -> None:
-    """Both GPU peers' controllers down at submit: their backends still exist (SPEC §4)."""
+    """Both GPU peers' controllers down at submit: their backends still exist (docs/DESIGN.md,
+    "Classification")."""
     gpu_peers = ("cw-rno2a", "cw-us-east-02a")
 
     async def both_down() -> bool:
@@ -364,7 +366,8 @@ async def test_logs_follow_streams_until_the_job_ends(stack: Stack) -> None:
 
 
 async def test_the_stacks_controllers_admit_only_signed_requests(stack: Stack) -> None:
-    """SPEC §7 in the running stack: handoffs above were signed; an unsigned caller is refused."""
+    """docs/DESIGN.md, "Handoff and admission", in the running stack: handoffs above were signed; an
+    unsigned caller is refused."""
     from iris.controller.errors import Unauthenticated
 
     for cluster in stack.config.cluster_names:

@@ -1,4 +1,5 @@
-"""Operators replay failed handoffs (SPEC §9): in place, to another peer, back to the queue, or by reset."""
+"""Operators replay failed handoffs (docs/DESIGN.md, "Replaying a failed handoff"): in place, to
+another peer, back to the queue, or by reset."""
 
 from __future__ import annotations
 

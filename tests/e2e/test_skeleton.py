@@ -1,6 +1,7 @@
 """The walking skeleton end to end: CLI → Temporal → JobWorkflow → real controllers → back.
 
-Every classification outcome (SPEC §4), real exit codes, logs, cancellation and bad input.
+Every classification outcome (docs/DESIGN.md, "Classification"), real exit codes, logs,
+cancellation and bad input.
 """
 
 from __future__ import annotations

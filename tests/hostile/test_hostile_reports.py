@@ -1,5 +1,5 @@
-"""Hostile capacity reports (SPEC §5, §11.3): a malformed or lying peer never crashes the tick and
-never creates capacity.
+"""Hostile capacity reports (docs/DESIGN.md, "Capacity reports", "3. No backend is over-committed"):
+a malformed or lying peer never crashes the tick and never creates capacity.
 
 Two levels: the pure planner over every report a parse lets through (hypothesis), and the tick
 activity itself polling a fake peer controller that answers whatever bytes a case sets, followed by

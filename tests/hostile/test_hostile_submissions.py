@@ -1,4 +1,4 @@
-"""Hostile input (SPEC §10): malformed submissions through the CLI and the SDK.
+"""Hostile input (docs/DESIGN.md, "Interfaces"): malformed submissions through the CLI and the SDK.
 
 Each one must end in one clear error line and a non-zero exit, with no workflow started: the number
 of JobWorkflow executions in the session's Temporal is the same before and after, and no job with

@@ -1,4 +1,5 @@
-"""Availability: gate, versioned blocks, effective capacity by band, ledger replay, staleness (SPEC §5)."""
+"""Availability: gate, versioned blocks, effective capacity by band, ledger replay, staleness
+(docs/DESIGN.md, "Placement")."""
 
 from __future__ import annotations
 

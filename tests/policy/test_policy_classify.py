@@ -1,4 +1,4 @@
-"""Submit-time classification (SPEC §4) and pick_backend."""
+"""Submit-time classification (docs/DESIGN.md, "Classification") and pick_backend."""
 
 from __future__ import annotations
 
@@ -149,8 +149,9 @@ class TestQueueAndReject:
         assert result.reason == "no backend in the federation satisfies device-type=tpu"
 
     def test_queue_when_the_only_matching_peer_is_unreachable(self) -> None:
-        # Its backend still exists (SPEC §4 rejects only a shape no backend anywhere has): the job
-        # waits for it instead of being rejected while its controller restarts.
+        # Its backend still exists (docs/DESIGN.md, "Classification": it rejects only a shape no
+        # backend anywhere has): the job waits for it instead of being rejected while its controller
+        # restarts.
         down = peer("cw-us-east-02a", h100("h100-east", 16), reachable=False)
         result = run(job(), HOME_CPU, down)
         assert result.disposition is Disposition.QUEUE

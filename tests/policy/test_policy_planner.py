@@ -1,4 +1,4 @@
-"""The placement tick (SPEC §5): one named test per rule and edge case."""
+"""The placement tick (docs/DESIGN.md, "The tick"): one named test per rule and edge case."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Property tests of the tick over random federations and queues (SPEC §5, §11 invariants 3 and 4)."""
+"""Property tests of the tick over random federations and queues (docs/DESIGN.md, "The tick",
+"3. No backend is over-committed", "4. No job is split across backends; a pin is never violated")."""
 
 from __future__ import annotations
 
@@ -303,8 +304,9 @@ def test_classification_is_consistent_with_reports(s: Scenario) -> None:
                 assert result.disposition is expected
             continue
         home = next(r for r in reports if r.peer_id == HOME)
-        # Rejected exactly when no backend anywhere has the shape (SPEC §4): one on a cluster that
-        # is unreachable or stale now still exists, and the job waits for it.
+        # Rejected exactly when no backend anywhere has the shape (docs/DESIGN.md,
+        # "Classification"): one on a cluster that is unreachable or stale now still exists, and the
+        # job waits for it.
         known = [b for r in reports for b in r.backends]
         can_host = any(matches(job_constraints(job), b.advertised_attributes) for b in known)
         assert (result.disposition is Disposition.REJECT) == (not can_host)

@@ -1,4 +1,4 @@
-"""Device request normalization and constraint matching (SPEC §2)."""
+"""Device request normalization and constraint matching (docs/DESIGN.md, "Vocabulary")."""
 
 from __future__ import annotations
 

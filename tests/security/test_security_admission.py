@@ -1,4 +1,6 @@
-"""Identity and admission (SPEC §7, §11.6) against the running stack's real controllers.
+"""Identity and admission (docs/DESIGN.md, "Handoff and admission",
+"6. No credential crosses clusters; no unauthenticated or disallowed handoff is admitted") against
+the running stack's real controllers.
 
 Tokens are signed with the stack's real keys (or deliberately wrong ones) and sent to the
 controllers' configured addresses, exactly where the worker sends its handoffs. Every refusal is
@@ -262,8 +264,9 @@ async def test_only_allowed_submitters_are_admitted(
 
 
 async def test_a_job_claiming_a_parent_is_refused(stack: Stack, api: Api) -> None:
-    """SPEC §4 "only root jobs federate". Nothing in this code base creates child jobs: JobSpec and
-    the handoff request have no parent field, and a handoff that claims one is refused as invalid."""
+    """Only root jobs federate (docs/DESIGN.md, "Classification"). Nothing in this code base creates
+    child jobs: JobSpec and the handoff request have no parent field, and a handoff that claims one
+    is refused as invalid."""
     assert not any("parent" in name for name in JobSpec.model_fields)
     assert not any("parent" in name for name in LaunchRequest.model_fields)
     url = stack.config.cluster("cw-us-east-02a").url

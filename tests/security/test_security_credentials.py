@@ -1,6 +1,6 @@
-"""Credentials never cross clusters (SPEC §7): each cluster's object-store credentials are held by
-that cluster's processes alone, and the artifact check of a handoff runs on the destination's
-controller, with the destination's credentials.
+"""Credentials never cross clusters (docs/DESIGN.md, "Credentials"): each cluster's object-store
+credentials are held by that cluster's processes alone, and the artifact check of a handoff runs on
+the destination's controller, with the destination's credentials.
 
 On the session stack: this pytest process hosts the home cluster's worker, so it must hold no
 peer's credentials, while a job whose artifact is in a peer's store still passes (or fails) its

@@ -1,4 +1,6 @@
-"""No credential crosses clusters or leaks (SPEC §7, §11.6): a scan of everything the session produced.
+"""No credential crosses clusters or leaks (docs/DESIGN.md, "Where secrets live",
+"6. No credential crosses clusters; no unauthenticated or disallowed handoff is admitted"): a scan
+of everything the session produced.
 
 Runs last in the session (marker ``scan_last``): every workflow history in the session's Temporal
 (payloads decoded), every file the session wrote (stack logs, controller state, relayed job logs,

@@ -1,4 +1,5 @@
-"""The promotion compare-and-swap (SPEC §6, §11.3): outcomes, idempotency, bands, the ledger."""
+"""The promotion compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)",
+"3. No backend is over-committed"): outcomes, idempotency, bands, the ledger."""
 
 from __future__ import annotations
 

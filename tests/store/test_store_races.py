@@ -1,6 +1,8 @@
-"""Concurrency (SPEC §6, §11.2, §11.3): racing promotions never over-commit, and cancel versus
-promote always has exactly one winner. Threads stand in for workers; half of them go through a
-second store instance so the database, not one process's pool, does the serializing.
+"""Concurrency (docs/DESIGN.md, "Promotion (the CAS)",
+"2. A cancel recorded before promotion is never delivered", "3. No backend is over-committed"):
+racing promotions never over-commit, and cancel versus promote always has exactly one winner.
+Threads stand in for workers; half of them go through a second store instance so the database, not
+one process's pool, does the serializing.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The contract between the controller and one execution backend (SPEC §5).
+"""The contract between the controller and one execution backend (docs/DESIGN.md, "Components").
 
 The controller (``core.Executor``) owns admission, the job table and persistence; a backend owns
 how its jobs run and what capacity it reports. Backends change job records only through the
@@ -141,7 +141,8 @@ class Backend(ABC):
 
     @abstractmethod
     def report(self) -> BackendReport:
-        """The capacity report (SPEC §5); raise BackendUnreachable when it cannot be known."""
+        """The capacity report (docs/DESIGN.md, "Capacity reports"); raise BackendUnreachable when
+        it cannot be known."""
 
     async def refresh_log(self, job: JobRecord) -> None:  # noqa: B027 - optional hook
         """Bring the job's log file up to date before it is read (engines that keep their own)."""

@@ -268,7 +268,8 @@ class Executor:
             await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
 
     def availability(self) -> list[BackendReport]:
-        """The capacity report (SPEC §5); Unavailable when any backend's engine does not answer.
+        """The capacity report (docs/DESIGN.md, "Capacity reports"); Unavailable when any backend's
+        engine does not answer.
 
         The whole cluster answers UNAVAILABLE rather than omitting one backend or sending it without
         capacity: the federation then treats the cluster as unreachable and places nothing there.

@@ -1,4 +1,5 @@
-"""The process backend: runs each job as local processes with exclusive device slots (SPEC §5).
+"""The process backend: runs each job as local processes with exclusive device slots
+(docs/DESIGN.md, "Components").
 
 All bookkeeping happens on the event loop thread. A fit check and the slot allocation that follows
 it never straddle an ``await``, so concurrent launches cannot over-commit a backend. Every state
@@ -151,7 +152,7 @@ class ProcessBackend(Backend):
         self.queues: dict[str, list[JobRecord]] = {}
         # The capacity observation: when this backend's slot state last changed. The federation's
         # reservations stay charged against it until the next change, so a job handed off but not
-        # yet started is never offered to a second job (SPEC §5 "same observation").
+        # yet started is never offered to a second job (docs/DESIGN.md, "The ledger").
         self.observed_ms = now_ms()
         self._runs: dict[str, _Run] = {}
         self._closing = False

@@ -1,4 +1,5 @@
-"""The Ray backend: a cluster's jobs run on a Ray cluster through its Jobs API (SPEC §5).
+"""The Ray backend: a cluster's jobs run on a Ray cluster through its Jobs API
+(docs/DESIGN.md, "Components").
 
 Each job is one Ray job whose submission id is the job id (``/`` escaped, see ``submission_id``),
 so a launch repeated by anyone — a retried handoff, a restarted controller — can never start a
