@@ -74,6 +74,12 @@ def dev_command(
         common.STATE.config_file = RAY_CONFIG
     cfg = common.config()
     cfg_file = config_path(common.STATE.config_file).resolve()
+    missing = devstack.missing_emulators()
+    if missing:
+        common.fail(
+            f"iris dev needs the development dependencies ({', '.join(missing)}): run `uv sync`",
+            common.EXIT_UNAVAILABLE,
+        )
     try:
         ray_specs = devstack.ray_heads_for(cfg) if ray else []
     except devstack.ServiceError as exc:

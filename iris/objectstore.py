@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -47,6 +48,9 @@ class ObjectStore(Protocol):
         """Write ``data``; with ``if_absent`` an existing object is left alone. True if written."""
 
     def keys(self, prefix: str) -> list[str]: ...
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (the dev stack's emulators)."""
 
 
 class _Gcs:
@@ -118,9 +122,14 @@ class _Gcs:
             raise StoreError(f"GCS bucket {self.bucket}: {exc.code} {type(exc).__name__}") from None
         return [b.name for b in blobs]
 
+    def ensure_bucket(self) -> None:
+        client = self._bucket.client
+        if self._call(lambda: client.lookup_bucket(self.bucket, **self._opts)) is None:
+            self._call(lambda: client.create_bucket(self.bucket, **self._opts))
+
 
 class _S3:
-    def __init__(self, store: ObjectStoreConfig) -> None:
+    def __init__(self, store: ObjectStoreConfig, environ: Mapping[str, str]) -> None:
         import boto3
         from botocore.config import Config
 
@@ -132,8 +141,8 @@ class _S3:
             config=Config(
                 connect_timeout=5, read_timeout=_TIMEOUT_S, retries={"max_attempts": 3, "mode": "standard"}
             ),
-            aws_access_key_id=os.environ.get(store.access_key_env) if store.access_key_env else None,
-            aws_secret_access_key=os.environ.get(store.secret_key_env) if store.secret_key_env else None,
+            aws_access_key_id=environ.get(store.access_key_env) if store.access_key_env else None,
+            aws_secret_access_key=environ.get(store.secret_key_env) if store.secret_key_env else None,
         )
 
     def _call(self, fn: Any) -> Any:
@@ -193,6 +202,18 @@ class _S3:
         result: list[str] = self._call(listing)
         return result
 
+    def ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._call(lambda: self._s3.head_bucket(Bucket=self.bucket))
+        except ClientError:
+            self._call(lambda: self._s3.create_bucket(Bucket=self.bucket))
+
+
+def _build(store: ObjectStoreConfig, environ: Mapping[str, str]) -> ObjectStore:
+    return _Gcs(store) if store.kind == "gcs" else _S3(store, environ)
+
 
 @functools.cache
 def _open(kind: str, bucket: str, endpoint: str, access_key_env: str, secret_key_env: str) -> ObjectStore:
@@ -203,12 +224,17 @@ def _open(kind: str, bucket: str, endpoint: str, access_key_env: str, secret_key
         access_key_env=access_key_env,
         secret_key_env=secret_key_env,
     )
-    return _Gcs(store) if kind == "gcs" else _S3(store)
+    return _build(store, os.environ)
 
 
-def open_store(store: ObjectStoreConfig, *, bucket: str | None = None) -> ObjectStore:
+def open_store(
+    store: ObjectStoreConfig, *, bucket: str | None = None, environ: Mapping[str, str] | None = None
+) -> ObjectStore:
     """The client of ``store`` (one per process and store), on its bucket or on ``bucket`` (another
-    bucket of the same service, read with the same credentials)."""
+    bucket of the same service, read with the same credentials). Credentials come from the process's
+    environment, or from ``environ`` (a client of its own, not shared)."""
+    if environ is not None:
+        return _build(store.model_copy(update={"bucket": bucket or store.bucket}), environ)
     return _open(
         store.kind, bucket or store.bucket, store.endpoint, store.access_key_env, store.secret_key_env
     )
