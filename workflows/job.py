@@ -77,7 +77,18 @@ _HANDOFF_RETRY = RetryPolicy(
     non_retryable_error_types=[contract.HANDOFF_REJECTED],
 )
 _MIRROR_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
-_STAGE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """How long one attempt of a handoff activity may take, and how it is retried."""
+
+    timeout: timedelta
+    retry: RetryPolicy
+
+
+_ARTIFACT_STEP = _Step(_QUICK, _ARTIFACT_RETRY)
+_STAGE_STEP = _Step(timedelta(minutes=5), _HANDOFF_RETRY)
 CANCELLED_WHILE_PARKED = "Cancelled while parked after a failed handoff"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
@@ -91,6 +102,7 @@ TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
+_Self = TypeVar("_Self")
 
 
 def _is_cancellation(exc: BaseException) -> bool:
@@ -562,17 +574,9 @@ class JobWorkflow:
         self._set(
             JobState.PENDING_HANDOFF, f"Checking {len(artifacts)} artifact(s) in {cluster}'s object store"
         )
-        try:
-            report = await workflow.execute_activity_method(
-                ArtifactActivities.check_artifacts,
-                ArtifactInput(cluster=cluster, uris=artifacts),
-                start_to_close_timeout=_QUICK,
-                retry_policy=_ARTIFACT_RETRY,
-            )
-        except ActivityError as exc:
-            if _is_cancellation(exc):
-                raise
-            raise _Parked(f"Cannot check artifacts in {cluster}'s object store: {exc.cause or exc}") from None
+        why = f"Cannot check artifacts in {cluster}'s object store"
+        check = ArtifactInput(cluster=cluster, uris=artifacts)
+        report = await self._handoff_step(ArtifactActivities.check_artifacts, check, _ARTIFACT_STEP, why)
         if report.missing:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
             raise _Parked(report.reasons[0] + more)
@@ -583,15 +587,9 @@ class JobWorkflow:
         """BUILDING: the workspace bundle goes to ``cluster`` before the launch (docs/DESIGN.md,
         "Workspace bundles")."""
         self._set(JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
-        try:
-            staged = await workflow.execute_activity_method(
-                PeerActivities.stage_bundle,
-                StageInput(cluster=cluster, bundle=bundle),
-                start_to_close_timeout=_STAGE_TIMEOUT,
-                retry_policy=_HANDOFF_RETRY,
-            )
-        except ActivityError as exc:
-            await self._refused_or_parked(exc, f"Cannot stage the workspace bundle on {cluster}")
+        why = f"Cannot stage the workspace bundle on {cluster}"
+        stage = StageInput(cluster=cluster, bundle=bundle)
+        staged = await self._handoff_step(PeerActivities.stage_bundle, stage, _STAGE_STEP, why)
         done = "uploaded to" if staged.uploaded else "already on"
         self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
         if self._job.cancel is not None:
@@ -631,6 +629,17 @@ class JobWorkflow:
             return await asyncio.shield(job.launch_op)
         except ActivityError as exc:
             await self._refused_or_parked(exc, f"Handoff to {cluster} failed after retries")
+
+    async def _handoff_step(
+        self, method: Callable[[_Self, _In], Awaitable[_Out]], arg: _In, step: _Step, parked: str
+    ) -> _Out:
+        """One activity of the handoff; failing for good, it ends or parks the job (``parked``: why)."""
+        try:
+            return await workflow.execute_activity_method(
+                method, arg, start_to_close_timeout=step.timeout, retry_policy=step.retry
+            )
+        except ActivityError as exc:
+            await self._refused_or_parked(exc, parked)
 
     async def _refused_or_parked(self, exc: ActivityError, parked: str) -> NoReturn:
         """A handoff step failed for good: the cluster's refusal ends the job (HANDOFF_REJECTED); a

@@ -24,21 +24,37 @@ MODULES = sorted((ROOT / "workflows").glob("*.py"))
 IMMUTABLE_CALLS = {"timedelta", "RetryPolicy", "TypeVar", "MappingProxyType", "frozenset", "tuple", "field"}
 
 
-def immutable(node: ast.expr | None) -> bool:
+def immutable(node: ast.expr | None, frozen: frozenset[str] = frozenset()) -> bool:
     if node is None or isinstance(node, ast.Constant):
         return True
     if isinstance(node, ast.Tuple):
-        return all(immutable(e) for e in node.elts)
+        return all(immutable(e, frozen) for e in node.elts)
     if isinstance(node, ast.Attribute):  # an enum member or another module's constant
         return True
     if isinstance(node, ast.Call):
         name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
-        return name in IMMUTABLE_CALLS
+        return name in IMMUTABLE_CALLS or name in frozen
     return False
+
+
+def frozen_dataclasses(tree: ast.Module) -> frozenset[str]:
+    """Classes of the module declared ``@dataclass(frozen=True)``: their instances are immutable."""
+    names = set()
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for deco in node.decorator_list:
+            if isinstance(deco, ast.Call) and any(
+                k.arg == "frozen" and isinstance(k.value, ast.Constant) and k.value.value is True
+                for k in deco.keywords
+            ):
+                names.add(node.name)
+    return frozenset(names)
 
 
 def mutable_globals(source: str) -> list[str]:
     tree = ast.parse(source)
+    frozen = frozen_dataclasses(tree)
     found = []
     scopes: list[tuple[str, list[ast.stmt]]] = [("module", tree.body)]
     scopes += [(f"class {n.name}", n.body) for n in tree.body if isinstance(n, ast.ClassDef)]
@@ -50,7 +66,7 @@ def mutable_globals(source: str) -> list[str]:
                 targets, value = stmt.targets, stmt.value
             elif isinstance(stmt, ast.AnnAssign):
                 targets, value = [stmt.target], stmt.value
-            if targets and not immutable(value):
+            if targets and not immutable(value, frozen):
                 found.append(f"{scope}: line {stmt.lineno}: {ast.unparse(stmt).splitlines()[0]}")
     found += [
         f"line {n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)
@@ -67,6 +83,11 @@ def test_the_check_catches_mutable_state() -> None:
     source = "CACHE = {}\nSEEN: list[str] = []\nclass W:\n    runs = []\ndef f():\n    global CACHE\n"
     assert len(mutable_globals(source)) == 4
     assert mutable_globals("A = 'x'\nB = timedelta(seconds=1)\nC = MappingProxyType({1: 2})\n") == []
+    # An instance of a frozen dataclass of the module is immutable; of a plain one, it is not.
+    frozen = "@dataclasses.dataclass(frozen=True)\nclass F:\n    x: int\nA = F(1)\n"
+    plain = "@dataclasses.dataclass\nclass P:\n    x: int\nA = P(1)\n"
+    assert mutable_globals(frozen) == []
+    assert len(mutable_globals(plain)) == 1
 
 
 def test_the_worker_passes_the_workflows_package_through() -> None:
