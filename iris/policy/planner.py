@@ -462,31 +462,26 @@ class _Tick:
     def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
         out: list[PeerVerdict] = []
         for kind, detail, peers in self.verdict_keys(cls, band, pin):
+            # A capacity verdict carries its numbers; any other only its message.
+            token: str | None = None
+            needed: int | None = None
+            available: int | None = None
             if isinstance(detail, int):
-                token = cls.token
+                token, needed, available = cls.token, need, detail
                 assert token is not None
                 message = full_message(token, need, band, detail)
-                out.append(
-                    PeerVerdict(
-                        kind=kind,
-                        peer_ids=list(peers),
-                        message=message,
-                        token=token,
-                        needed=need,
-                        available=detail,
-                    )
-                )
             else:
-                out.append(
-                    PeerVerdict(
-                        kind=kind,
-                        peer_ids=list(peers),
-                        message=detail,
-                        token=None,
-                        needed=None,
-                        available=None,
-                    )
+                message = detail
+            out.append(
+                PeerVerdict(
+                    kind=kind,
+                    peer_ids=list(peers),
+                    message=message,
+                    token=token,
+                    needed=needed,
+                    available=available,
                 )
+            )
         return out
 
 

@@ -498,12 +498,9 @@ class FederationStore:
         """Make one queued handle UNSCHEDULABLE if its deadline has been reached; True if it did."""
 
         def body(conn: Connection) -> bool:
-            row = _lock_handle(conn, job_id)
-            if row is None:
-                return False
-            handle = _row_handle(row)
+            handle = _locked(conn, job_id, incarnation)
             if (
-                handle.incarnation != incarnation
+                handle is None
                 or handle.state is not HandleState.QUEUED_HANDOFF
                 or not _expired(handle, now_ms)
             ):
@@ -535,11 +532,8 @@ class FederationStore:
             raise ValueError(f"{state} is set by enqueue/requeue and promote, not set_state")
 
         def body(conn: Connection) -> JobHandle | None:
-            row = _lock_handle(conn, job_id)
-            if row is None:
-                return None
-            handle = _row_handle(row)
-            if handle.incarnation != incarnation:
+            handle = _locked(conn, job_id, incarnation)
+            if handle is None:
                 return None
             if handle.state.terminal or (handle.state is state and reason in (None, handle.reason)):
                 return handle
@@ -567,12 +561,9 @@ class FederationStore:
         """
 
         def body(conn: Connection) -> bool:
-            row = _lock_handle(conn, job_id)
-            if row is None:
-                return False
-            handle = _row_handle(row)
+            handle = _locked(conn, job_id, incarnation)
             if (
-                handle.incarnation != incarnation
+                handle is None
                 or handle.state not in (HandleState.PENDING_HANDOFF, HandleState.HANDOFF_FAILED)
                 or handle.cancel_requested
             ):
@@ -751,6 +742,15 @@ def _lock_handle(conn: Connection, job_id: str) -> Row[Any] | None:
     return conn.execute(select(job_handles).where(job_handles.c.job_id == job_id).with_for_update()).first()
 
 
+def _locked(conn: Connection, job_id: str, incarnation: str) -> JobHandle | None:
+    """The job's handle, locked, if it is this incarnation's."""
+    row = _lock_handle(conn, job_id)
+    if row is None:
+        return None
+    handle = _row_handle(row)
+    return handle if handle.incarnation == incarnation else None
+
+
 def _row_handle(row: Row[Any]) -> JobHandle:
     shape = JobShape.model_validate_json(row.shape)
     return JobHandle(
@@ -844,36 +844,28 @@ def _charge(
     """
     peer_id, backend_id = placement.peer_id, placement.backend_id
     target = _target(peer_id, backend_id)
+
+    def refused(outcome: PromoteOutcome, message: str) -> PromoteResult:
+        return PromoteResult(outcome=outcome, message=message, handle=handle)
+
     row = conn.execute(
         select(peer_reports).where(peer_reports.c.peer_id == peer_id).with_for_update()
     ).first()
     if row is None:
-        return PromoteResult(
-            outcome=PromoteOutcome.UNKNOWN_BACKEND,
-            message=f"no report is stored for peer {peer_id}",
-            handle=handle,
-        )
+        return refused(PromoteOutcome.UNKNOWN_BACKEND, f"no report is stored for peer {peer_id}")
     report = _row_report(row)
     if not report.reachable:
-        return PromoteResult(
-            outcome=PromoteOutcome.NO_CAPACITY,
-            message=f"peer {peer_id} is unreachable; its capacity is unknown",
-            handle=handle,
-        )
+        return refused(PromoteOutcome.NO_CAPACITY, f"peer {peer_id} is unreachable; its capacity is unknown")
     backend = next((b for b in report.backends if b.backend_id == backend_id), None)
     if backend is None:
-        return PromoteResult(
-            outcome=PromoteOutcome.UNKNOWN_BACKEND,
-            message=f"peer {peer_id}'s latest report has no backend {backend_id!r}",
-            handle=handle,
+        return refused(
+            PromoteOutcome.UNKNOWN_BACKEND, f"peer {peer_id}'s latest report has no backend {backend_id!r}"
         )
     block = usable_block(backend)
     if block is None:
         # The placement was verified against a capacity block the peer no longer sends; replan.
-        return PromoteResult(
-            outcome=PromoteOutcome.NO_CAPACITY,
-            message=f"{target} no longer reports its capacity; waiting for the next tick",
-            handle=handle,
+        return refused(
+            PromoteOutcome.NO_CAPACITY, f"{target} no longer reports its capacity; waiting for the next tick"
         )
     observation = block.observation_epoch_ms
     t = reservations_table
@@ -898,11 +890,10 @@ def _charge(
     for token, amount in sorted(need.items()):
         available = capacity.effective(token, band)
         if available < amount:
-            return PromoteResult(
-                outcome=PromoteOutcome.NO_CAPACITY,
-                message=f"{target} has {available} {token} left for band {band.label} after confirmed "
+            return refused(
+                PromoteOutcome.NO_CAPACITY,
+                f"{target} has {available} {token} left for band {band.label} after confirmed "
                 f"reservations; needs {amount}",
-                handle=handle,
             )
         capacity.spend(token, amount, band)
     reservation = Reservation(

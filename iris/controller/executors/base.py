@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +20,7 @@ from iris.controller.bundles import BundleStore
 from iris.controller.errors import InvalidArgument
 from iris.controller.models import ControllerJobState
 from iris.controller.state import JobRecord
-from iris.policy.models import BackendReport, DeviceRequest
+from iris.policy.models import Availability, BackendReport, Band, DeviceRequest, HeldByBand
 
 CPU_RESOURCE = "cpu"
 _AUTO_VARIANTS = frozenset({"", "auto"})
@@ -119,6 +120,36 @@ class Backend(ABC):
     def demand(self, device: DeviceRequest) -> Demand:
         """The job's demand here, or InvalidArgument when this backend can never run it."""
         return demand_for(self.config, device)
+
+    def capacity_report(
+        self,
+        observed_ms: int,
+        free: dict[str, int],
+        totals: dict[str, int],
+        running: Iterable[JobRecord],
+    ) -> BackendReport:
+        """The capacity report (docs/DESIGN.md, "Capacity reports"): free and total chips per token,
+        and what the ``running`` jobs hold, by band (CPU jobs hold no chips)."""
+        held: dict[Band, dict[str, int]] = {}
+        for job in running:
+            try:
+                demand = self.demand(job.device)
+            except InvalidArgument:  # recovered under a config that no longer has its device
+                continue
+            if demand.is_cpu:
+                continue
+            by_token = held.setdefault(job.band, {})
+            by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
+        return BackendReport(
+            backend_id=self.config.id,
+            advertised_attributes=self.config.attributes,
+            availability=Availability(
+                observation_epoch_ms=observed_ms,
+                amounts=free,
+                total_amounts=totals,
+                held_by_band=[HeldByBand(band=b, amounts=a) for b, a in sorted(held.items())],
+            ),
+        )
 
     def log_path(self, job: JobRecord) -> Path:
         return log_path_for(self.host.state_dir, job.job_id, job.attempts)

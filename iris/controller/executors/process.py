@@ -23,7 +23,7 @@ from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, Demand, JobHost
 from iris.controller.models import ControllerJobState
 from iris.controller.state import JobRecord, now_ms
-from iris.policy.models import Availability, BackendReport, Band, HeldByBand
+from iris.policy.models import BackendReport
 
 log = logging.getLogger("iris.controller.executor")
 
@@ -204,25 +204,11 @@ class ProcessBackend(Backend):
             self._kill_run(job, run, grace_s=self.kill_grace_s)
 
     def report(self) -> BackendReport:
-        held: dict[Band, dict[str, int]] = {}
-        for run in self._runs.values():
-            job = run.job
-            demand = self.demand(job.device)
-            if demand.is_cpu:
-                continue
-            by_token = held.setdefault(job.band, {})
-            by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
-        return BackendReport(
-            backend_id=self.config.id,
-            advertised_attributes=self.config.attributes,
-            availability=Availability(
-                observation_epoch_ms=self.observed_ms,
-                amounts={t: max(0, p.free - self.pending(t)) for t, p in self.pools.items()},
-                total_amounts={t: p.total for t, p in self.pools.items()},
-                held_by_band=[
-                    HeldByBand(band=band, amounts=amounts) for band, amounts in sorted(held.items())
-                ],
-            ),
+        return self.capacity_report(
+            self.observed_ms,
+            free={t: max(0, p.free - self.pending(t)) for t, p in self.pools.items()},
+            totals={t: p.total for t, p in self.pools.items()},
+            running=(run.job for run in self._runs.values()),
         )
 
     async def shutdown(self) -> None:

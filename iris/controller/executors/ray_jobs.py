@@ -44,7 +44,7 @@ from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, BackendUnreachable, JobHost
 from iris.controller.models import ControllerJobState
 from iris.controller.state import JobRecord, now_ms
-from iris.policy.models import Availability, BackendReport, Band, HeldByBand
+from iris.policy.models import BackendReport
 
 log = logging.getLogger("iris.controller.executor.ray")
 
@@ -238,31 +238,23 @@ class RayBackend(Backend):
         if not self._reachable:
             raise BackendUnreachable(self._reason)
         waiting: dict[str, int] = {}
-        held: dict[Band, dict[str, int]] = {}
         for tracked in self._tracked.values():
+            if tracked.ray_status == JobStatus.RUNNING:
+                continue
             try:
                 demand = self.demand(tracked.job.device)
             except InvalidArgument:  # recovered under a config that no longer has its device
                 continue
-            if demand.is_cpu:
-                continue
-            if tracked.ray_status == JobStatus.RUNNING:
-                by_token = held.setdefault(tracked.job.band, {})
-                by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
-            else:
+            if not demand.is_cpu:
                 # Promised to a job Ray has not started: not free for anyone else. (While Ray
                 # starts it, its resources may already be taken: counted twice, briefly, which
                 # under-reports and never over-commits.)
                 waiting[demand.resource] = waiting.get(demand.resource, 0) + demand.total
-        return BackendReport(
-            backend_id=self.config.id,
-            advertised_attributes=self.config.attributes,
-            availability=Availability(
-                observation_epoch_ms=self.observed_ms,
-                amounts={t: max(0, self._free.get(t, 0) - waiting.get(t, 0)) for t in self.tokens},
-                total_amounts={t: self._totals.get(t, 0) for t in self.tokens},
-                held_by_band=[HeldByBand(band=b, amounts=amounts) for b, amounts in sorted(held.items())],
-            ),
+        return self.capacity_report(
+            self.observed_ms,
+            free={t: max(0, self._free.get(t, 0) - waiting.get(t, 0)) for t in self.tokens},
+            totals={t: self._totals.get(t, 0) for t in self.tokens},
+            running=(t.job for t in self._tracked.values() if t.ray_status == JobStatus.RUNNING),
         )
 
     async def refresh_log(self, job: JobRecord) -> None:
