@@ -54,7 +54,7 @@ from iris.contract import (
     job_workflow_id,
 )
 from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
-from iris.controller.models import LogChunk, validate_job_id
+from iris.controller.models import MAX_COMMAND_ARGS, MAX_USER_CHARS, LogChunk, validate_job_id
 from iris.jobs import (
     CancelOutcome,
     CancelRequest,
@@ -80,9 +80,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_ENV_BYTES = 64 * 1024
 MAX_COMMAND_BYTES = 64 * 1024
-# Limits of the controller API (LaunchRequest): refused at submit, not at handoff.
-MAX_COMMAND_ARGS = 4096
-MAX_USER_CHARS = 256
 MAX_ATTRIBUTE_CHARS = 128
 # An Update whose workflow task the server failed (e.g. a signal landed while the task completed
 # the run: UNHANDLED_COMMAND) was never accepted; it is sent again, with the same update id.

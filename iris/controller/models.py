@@ -20,6 +20,9 @@ _SEGMENT = r"[A-Za-z0-9_@+=:,~-][A-Za-z0-9._@+=:,~-]*"
 JOB_ID_PATTERN = rf"^{_SEGMENT}(/{_SEGMENT})*$"
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 MAX_JOB_ID_LEN = 256
+# Limits of a handoff (LaunchRequest); the SDK refuses a submission beyond them at submit.
+MAX_COMMAND_ARGS = 4096
+MAX_USER_CHARS = 256
 # A trailing segment with these names would be routed as a sub-resource of the job, not the job.
 _RESERVED_LAST_SEGMENTS = frozenset({"logs", "terminate"})
 
@@ -74,11 +77,11 @@ class LaunchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     job_id: str = Field(max_length=MAX_JOB_ID_LEN, examples=["alice/train-llama"])
-    command: list[str] = Field(min_length=1, max_length=4096)
+    command: list[str] = Field(min_length=1, max_length=MAX_COMMAND_ARGS)
     env: dict[str, str] = Field(default_factory=dict)
     device: DeviceRequest = DeviceRequest()
     band: Band = Band.INTERACTIVE
-    user: str = Field(min_length=1, max_length=256)
+    user: str = Field(min_length=1, max_length=MAX_USER_CHARS)
     # Cluster id handing the job in; must equal the signed token's issuer.
     requester: str = Field(min_length=1, max_length=128)
     # Minted once per job incarnation: the same nonce again is a replay, a new one a new run.
