@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -38,8 +41,9 @@ async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    _STOP.wake = functools.partial(loop.call_soon_threadsafe, stop.set)
+    if _STOP.requested:
+        return
     client = await connect(cfg)
     url = store_url(cfg, data_dir)
     store = FederationStore(url)
@@ -53,7 +57,36 @@ async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
             await stop.wait()
             typer.echo("\nstopping…")
     finally:
+        _STOP.wake = None
         store.close()
+
+
+class _Stopper:
+    """Ctrl-C and SIGTERM: the first one stops the stack, any later one only says it is stopping. A
+    second Ctrl-C, or a SIGINT to the whole process group (which reaches `uv run` and this process,
+    so twice), must not cut the teardown short and leave services running."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        # While the worker's event loop runs: how to wake it (else the signal interrupts the start).
+        self.wake: Callable[[], object] | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            os.write(2, b"still stopping: every service started is being stopped\n")
+            return
+        self.requested = True
+        if self.wake is not None:
+            self.wake()
+        else:
+            raise KeyboardInterrupt
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self)
+
+
+_STOP = _Stopper()
 
 
 def dev_command(
@@ -89,12 +122,18 @@ def dev_command(
     ports = _ports(cfg)
     for spec in ray_specs:
         ports += [("Ray Jobs API", "127.0.0.1", spec.dashboard_port), ("Ray GCS", "127.0.0.1", spec.gcs_port)]
-    busy = [f"{name} ({h}:{p})" for name, h, p in ports if devstack.port_open(h, p)]
+    busy = [(name, h, p) for name, h, p in ports if devstack.port_open(h, p)]
     if busy:
+        owners = devstack.port_owners([p for _, _, p in busy])
+        named = []
+        for name, h, p in busy:
+            who = ", ".join(f"pid {pid} ({cmd})" for pid, cmd in owners.get(p, []))
+            named.append(f"{name} ({h}:{p}{' by ' + who if who else ''})")
         common.fail(
-            f"port already in use: {', '.join(busy)} (is another `iris dev` running?)",
+            f"port already in use: {'; '.join(named)} — is another `iris dev` running, or one left over?",
             common.EXIT_UNAVAILABLE,
         )
+    _STOP.install()
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     # This process hosts the worker: the home cluster's credentials only (each controller gets its own).
@@ -120,8 +159,8 @@ def dev_command(
         if created:
             typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dir}")
         for svc in services:
+            started.append(svc)  # first: a signal between the two must still stop it
             svc.start()
-            started.append(svc)
         for svc in services:
             svc.wait_ready(timeout=90)
             typer.echo(f"{svc.name:<28} {svc.address}")
@@ -134,6 +173,7 @@ def dev_command(
     except KeyboardInterrupt:
         typer.echo("\nstopping…")
     finally:
+        _STOP.requested = True  # from here on, signals only say that the stack is stopping
         for svc in reversed(started):
             if any(svc is head for head in heads):
                 devstack.stop_ray_head(svc)

@@ -65,6 +65,39 @@ def port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def port_owners(ports: Sequence[int]) -> dict[int, list[tuple[int, str]]]:
+    """Which processes listen on ``ports`` (pid and command line), read from /proc: so a stack left
+    over from an earlier run can be named. Empty where /proc cannot tell (another user's process)."""
+    wanted = set(ports)
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            if fields[3] == "0A" and port in wanted:  # 0A: LISTEN
+                inodes[fields[9]] = port
+    owners: dict[int, list[tuple[int, str]]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            links = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        for link in links:
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                owner = (int(proc.name), cmdline[:80])
+                found = owners.setdefault(inodes[link[8:-1]], [])
+                if owner not in found:
+                    found.append(owner)
+    return owners
+
+
 def http_ok(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1.0).status_code == 200

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
+import shutil
 import signal
+import termios
 from pathlib import Path
 
 import httpx
@@ -139,3 +143,82 @@ async def test_iris_dev_runs_the_stack_stops_cleanly_and_keeps_jobs(tmp_path: Pa
     finally:
         assert await dev.stop() == 0
     assert _pids_mentioning(str(tmp_path)) == []
+
+
+class PtyDev:
+    """`uv run iris dev` on a pseudo-terminal of its own, as a user's shell runs it: Ctrl-C there
+    reaches the whole foreground process group (`uv` and the `iris dev` it started)."""
+
+    def __init__(self, config_file: Path, data_dir: Path) -> None:
+        self.argv = [
+            str(UV), "run", "--project", str(PROJECT_ROOT), "--frozen",
+            "iris", "--config", str(config_file), "dev", "--data-dir", str(data_dir),
+        ]  # fmt: skip
+        self.output = bytearray()
+        self.proc: asyncio.subprocess.Process | None = None
+        self._master = -1
+
+    def _read(self) -> None:
+        try:
+            self.output += os.read(self._master, 65536)
+        except OSError:  # the terminal closed with its last process
+            asyncio.get_running_loop().remove_reader(self._master)
+
+    async def start(self) -> None:
+        self._master, slave = os.openpty()
+
+        def controlling_terminal() -> None:  # in the child, after setsid (start_new_session)
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdin=slave, stdout=slave, stderr=slave, cwd=PROJECT_ROOT,
+            start_new_session=True, preexec_fn=controlling_terminal,
+        )  # fmt: skip
+        os.close(slave)
+        asyncio.get_running_loop().add_reader(self._master, self._read)
+
+        async def ready() -> bool:
+            if self.proc is not None and self.proc.returncode is not None:
+                raise AssertionError("iris dev exited during start:\n" + self.output.decode(errors="replace"))
+            return b"Ready." in self.output
+
+        await wait_until(ready, timeout=120, interval=0.2, what="iris dev to be ready")
+
+    def ctrl_c(self) -> None:
+        os.write(self._master, b"\x03")  # the terminal sends SIGINT to its foreground group
+
+    async def exited(self) -> int:
+        assert self.proc is not None
+        code = await asyncio.wait_for(self.proc.wait(), 90)
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._master)
+            os.close(self._master)
+        return code
+
+
+UV = shutil.which("uv")
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(UV is None, reason="uv is not on PATH (the README's commands need it)")
+@pytest.mark.parametrize("interrupt", ["two-ctrl-c", "group-sigint"])
+@pytest.mark.timeout(300)
+async def test_iris_dev_leaves_nothing_behind_whatever_signals_arrive(tmp_path: Path, interrupt: str) -> None:
+    cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
+    config_file = tmp_path / "dev-config.json"
+    config_file.write_text(cfg.model_dump_json())
+    dev = PtyDev(config_file, tmp_path / "data")
+    await dev.start()
+    assert _pids_mentioning(str(tmp_path))  # its services run (their command lines name the data dir)
+    assert dev.proc is not None
+    if interrupt == "two-ctrl-c":
+        dev.ctrl_c()
+        await asyncio.sleep(0.3)
+        dev.ctrl_c()
+    else:
+        os.killpg(dev.proc.pid, signal.SIGINT)  # e.g. a script stopping the whole group
+    await dev.exited()
+    leftover = _pids_mentioning(str(tmp_path))
+    assert leftover == [], dev.output.decode(errors="replace")
+    for port in _ports(cfg):
+        assert not devstack.port_open("127.0.0.1", port), port
