@@ -14,10 +14,61 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import budget
 import pytest
 from stack import Backend, Stack, StackRunner
 
 pytest_plugins = ["graceful"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Randomized tests run everything they state in `uv run pytest`, a quarter of it in the fast
+    # loop (tests/budget.py), which then stays under a minute on two cores.
+    if config.getoption("markexpr") == "not e2e":
+        budget.FAST = True
+
+
+# The `e2e` marker: the tests that need real services. `uv run pytest -m "not e2e"` is the fast,
+# service-free subset (unit, property and workflow tests: tests/workflows runs JobWorkflow on
+# Temporal's own test servers), `-m e2e` the rest; plain `uv run pytest` runs both. A test is e2e if
+# - it uses (directly or through another fixture, e.g. `keys`, `restricted`, `duplicate`) a fixture
+#   that starts real services: E2E_FIXTURES;
+# - it is a store test on PostgreSQL (`stores[postgresql]`): it needs that server;
+# - it lives in a directory of E2E_DIRS, whose tests start services in their own body or module
+#   fixtures (`iris dev`, controller processes, the chaos stack) rather than through those fixtures.
+E2E_FIXTURES = frozenset(
+    {
+        "stack",  # the whole federation: Temporal, emulators, controllers, a worker
+        "process_stack",
+        "ray_stack",  # the same, its GPU peers on a real Ray head
+        "stack_per_backend",
+        "open_controller",  # a controller process
+        "ray_head",  # a local Ray head
+        "ray_proxies",
+        "postgres_admin",  # a PostgreSQL server
+    }
+)
+E2E_DIRS = frozenset({"e2e", "controller", "chaos"})
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def needs_services(item: pytest.Item) -> bool:
+    if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("stores") == "postgresql":
+        return True
+    path = item.path.resolve()
+    if not path.is_relative_to(TESTS_DIR):
+        return False
+    relative = path.relative_to(TESTS_DIR)
+    return len(relative.parts) > 1 and relative.parts[0] in E2E_DIRS
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if needs_services(item):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")

@@ -328,11 +328,14 @@ class JobWorkflow:
                     job_id=job.spec.job_id, incarnation=job.incarnation, state=state, reason=reason
                 ),
             )
-        except ActivityError as exc:
+        except (ActivityError, ApplicationError) as exc:
+            # A failed local activity surfaces as its own ApplicationError, a regular one as an
+            # ActivityError around it.
             if _is_cancellation(exc):
                 raise
+            cause = exc.cause if isinstance(exc, ActivityError) else exc
             # The queue's bookkeeping refused a transition; the job itself goes on, and says so.
-            self._event(job.status.state, f"federation store kept its state: {exc.cause or exc}")
+            self._event(job.status.state, f"federation store kept its state: {cause or exc}")
 
     async def _record_end(self, reason: str | None) -> None:
         """A queued job's handle ends as the job did."""
@@ -377,6 +380,9 @@ class JobWorkflow:
 
     async def _lifecycle(self) -> None:
         view, decision = await self._classify()
+        # The resolved pin (exact cluster id, whatever case the user typed), the home cluster
+        # included: an operator's replay must keep to it too.
+        self._job.pin = decision.pinned_cluster
         if decision.disposition is Disposition.REJECT:
             await self._finish(JobState.REJECTED, decision.reason)
         if self._job.cancel is not None:
@@ -384,7 +390,7 @@ class JobWorkflow:
         if decision.disposition is Disposition.LOCAL:
             await self._deliver(view, view.home, self._backend_for(view, view.home))
             return
-        placement = await self._queue(decision)
+        placement = await self._queue()
         # A force-routed placement names no backend (docs/DESIGN.md, "Pins and force-routing"):
         # the peer gets its best guess.
         backend = placement.backend_id or self._backend_for(view, placement.peer_id)
@@ -416,11 +422,9 @@ class JobWorkflow:
         self._event(JobState.CLASSIFYING, f"classified {decision.disposition.value}: {decision.reason}")
         return view, decision
 
-    async def _queue(self, decision: Classification) -> Placement:
+    async def _queue(self) -> Placement:
         """QUEUED_HANDOFF until the tick places the job and the CAS promotes it."""
         job = self._job
-        # The queue holds the resolved pin (exact cluster id), whatever case the user typed.
-        job.pin = decision.pinned_cluster
         await self._enqueue()
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON)
         if job.explanation is not None:
@@ -712,7 +716,8 @@ class JobWorkflow:
             JobState.PENDING: f"Waiting for devices on {cluster}",
             JobState.RUNNING: f"Running on {cluster}",
             JobState.SUCCEEDED: f"Succeeded on {cluster}",
-            JobState.FAILED: f"Failed on {cluster} (exit code {remote.exit_code})",
+            JobState.FAILED: f"Failed on {cluster}"
+            + ("" if remote.exit_code is None else f" (exit code {remote.exit_code})"),
             JobState.KILLED: f"Killed on {cluster}",
         }
         reason = reasons.get(state, state.value)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from budget import scaled
 from hostile_peer import HostilePeer
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
@@ -154,7 +155,7 @@ def plan_against(body: dict[str, Any]) -> tuple[PeerReport, PlanResult]:
     return report, plan(jobs(), home="marin", reports=[home, report], now_ms=NOW, stale_after_ms=30_000)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=garbage_bodies)
 def test_the_planner_survives_any_report_and_an_unusable_one_hosts_nothing(body: dict[str, Any]) -> None:
     report, result = plan_against(body)
@@ -162,7 +163,7 @@ def test_the_planner_survives_any_report_and_an_unusable_one_hosts_nothing(body:
         assert result.placements == []
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=parsable_bodies)
 def test_the_planner_never_creates_capacity_from_a_hostile_report(body: dict[str, Any]) -> None:
     report, result = plan_against(body)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+from budget import scaled
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policy_factories import EPOCH, NOW, STALE, backend, peer
@@ -31,7 +32,7 @@ from iris.policy import (
 )
 from iris.policy.availability import PeerStatus, gate, peer_status
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=scaled(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 VARIANTS = ("h100", "a100")
 REGIONS = ("east", "west")
 HOME = "marin"
@@ -193,7 +194,7 @@ def test_every_job_has_exactly_one_outcome(s: Scenario) -> None:
     assert all(j.job_id in expired for j in s[0] if j.deadline_ms is not None and j.deadline_ms <= NOW)
 
 
-@settings(SETTINGS, max_examples=400)
+@settings(SETTINGS, max_examples=scaled(400))
 @given(scenarios())
 def test_no_backend_is_over_committed(s: Scenario) -> None:
     _, reports, reservations, _ = s

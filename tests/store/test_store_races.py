@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pytest
+from budget import scaled
 from conftest import Stores
 from sqlalchemy import create_engine, select
 from store_factories import EPOCH, NOW, PEER, gpu_backend, handle, placement, report
@@ -63,7 +64,7 @@ def test_cancel_racing_promotion_has_exactly_one_winner(stores: Stores) -> None:
     promoter, canceller = stores.open(), stores.open()
     # One GPU per job and every promotion released afterwards, so capacity never decides the race.
     promoter.save_reports([report(PEER, gpu_backend(free=1))])
-    iterations = 300
+    iterations = scaled(300)
     outcomes = {"cancel": 0, "promote": 0}
     barrier = threading.Barrier(2)
 

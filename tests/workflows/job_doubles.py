@@ -23,7 +23,7 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
-from temporalio.common import TypedSearchAttributes
+from temporalio.common import SearchAttributeKey
 from temporalio.converter import decode_typed_search_attributes
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -183,8 +183,8 @@ class FakeFederation:
     promote: list[PromoteOutcome] = field(default_factory=lambda: [PromoteOutcome.PROMOTED])
     # record_cancel: whether the cancel intent committed before any promotion.
     cancel_wins: bool = True
-    # check_artifacts: the URIs the destination cannot read.
-    missing: list[str] = field(default_factory=list)
+    # check_artifacts: the URIs each cluster cannot read, by cluster.
+    missing: dict[str, set[str]] = field(default_factory=dict)
     # stage_bundle / launch_job: what each attempt does (the last repeats).
     stage: list[StageStep] = field(default_factory=lambda: [Accept()])
     launch: list[LaunchStep] = field(default_factory=lambda: [Accept()])
@@ -217,6 +217,8 @@ class FakeFederation:
 
     _holds: dict[str, asyncio.Event] = field(default_factory=dict)
     _reached: dict[str, asyncio.Event] = field(default_factory=dict)
+    # Set (and replaced) at every change of a remote job: a waiting mirror wakes at once.
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     # ---- steering a test ----
 
@@ -227,6 +229,10 @@ class FakeFederation:
 
     def release(self, name: str) -> None:
         self._holds.pop(name).set()
+
+    def release_all(self) -> None:
+        for name in list(self._holds):
+            self.release(name)
 
     async def reached(self, name: str, timeout: float = 10.0) -> None:
         """Wait until a call of the held activity ``name`` has started."""
@@ -242,15 +248,35 @@ class FakeFederation:
                 if not activity.info().is_local:
                     activity.heartbeat()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(hold.wait(), 0.1)
+                    await asyncio.wait_for(hold.wait(), 1.0)
 
     def set_remote_state(self, cluster: str, job_id: str, state: ControllerJobState) -> None:
         """The job changes state on its cluster (a mirror waiting for a change returns it)."""
         self._set_remote((cluster, job_id), state)
 
+    def forget(self, cluster: str, job_id: str) -> None:
+        """The cluster no longer knows the job (a mirror then reports it lost)."""
+        del self.remote[(cluster, job_id)]
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def remote_state(self, cluster: str, job_id: str) -> ControllerJobState | None:
         known = self.remote.get((cluster, job_id))
         return None if known is None else known.state
+
+    @property
+    def handle_ends(self) -> list[HandleState]:
+        """The states the workflow recorded for its queue handle, in order, a repeated write of the
+        same state counted once (a terminal state is sometimes written twice; the store keeps the
+        first, so that is not a behaviour these tests pin)."""
+        out: list[HandleState] = []
+        for state, _ in self.handle_states:
+            if not out or out[-1] is not state:
+                out.append(state)
+        return out
 
     @property
     def delivered(self) -> int:
@@ -283,7 +309,7 @@ class FakeFederation:
     async def check_artifacts(self, inp: ArtifactInput) -> ArtifactReport:
         await self._enter(contract.CHECK_ARTIFACTS)
         self.artifact_checks.append((inp.cluster, list(inp.uris)))
-        missing = [u for u in inp.uris if u in self.missing]
+        missing = [u for u in inp.uris if u in self.missing.get(inp.cluster, set())]
         return ArtifactReport(
             missing=missing,
             reasons=[f"Artifact {u} missing in {inp.cluster}'s object store" for u in missing],
@@ -351,6 +377,7 @@ class FakeFederation:
             }
         )
         self.remote[key] = status
+        self._notify()
         return status
 
     def _reported(self, key: tuple[str, str], status: RemoteStatus) -> RemoteStatus:
@@ -374,10 +401,17 @@ class FakeFederation:
                 raise step
             return self._reported(key, self._set_remote(key, step))
         # Nothing scripted: the job stays as it is until something (a termination) changes it.
-        while self.remote[key].state.value == inp.known_state:
+        # Woken at once by the change, so that a mirror the workflow cancelled (it learns of that
+        # only through a throttled heartbeat) still ends before the workflow does: the Java test
+        # server never skips time again after an activity completes on a closed workflow.
+        while (current := self.remote.get(key)) is not None and current.state.value == inp.known_state:
             activity.heartbeat(inp.known_state)
-            await asyncio.sleep(0.05)
-        return self._reported(key, self.remote[key])
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), 1.0)
+        if current is None:
+            raise job_lost(inp.cluster, inp.job_id)
+        return self._reported(key, current)
 
     @activity.defn(name=contract.TERMINATE_JOB)
     async def terminate_job(self, inp: TerminateInput) -> RemoteStatus | None:
@@ -477,12 +511,37 @@ class Federation:
         """Send the placement signal, as the tick would."""
         await handle.signal(JobWorkflow.place, placement(handle.id, peer, backend))
 
+    async def result(self, handle: WorkflowHandle[Any, JobStatus], timeout: float = 10.0) -> JobStatus:
+        """The job's end, without the test server's automatic time skipping: while a client waits
+        for a result it jumps to the next timer whenever no workflow task runs, even with an
+        activity in flight (to an activity's timeout, or ten years on, the run's timeout). Tests
+        that need time to pass say how much (``env.sleep``, ``skip_to_end``)."""
+        with self.env.auto_time_skipping_disabled():
+            try:
+                return await asyncio.wait_for(handle.result(), timeout)
+            except TimeoutError:
+                st = await status(handle)
+                raise AssertionError(f"job never ended; it is {st.state.value}: {st.reason}") from None
+
+    async def skip_to_end(self, handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
+        """The job's end, skipping time in 5 s steps meanwhile (retries with backoff go by)."""
+        await wait_for(handle, lambda st: st.terminal, "ended", env=self.env, skip_s=5.0)
+        return await self.result(handle)
+
     async def end_leftovers(self) -> None:
-        """A failed test must not leave a running job for the next one's time skipping."""
+        """Jobs a test leaves running are cancelled and run to their end. Not terminated: the Java
+        test server never again skips time after a workflow is terminated with an activity in
+        flight, which would slow every later test of the session to real time."""
+        self.fake.release_all()
         for handle in self.handles:
-            desc = await handle.describe()
-            if desc.status is WorkflowExecutionStatus.RUNNING:
-                await handle.terminate("test over")
+            if (await handle.describe()).status is not WorkflowExecutionStatus.RUNNING:
+                continue
+            await handle.cancel()
+            try:
+                await self.result(handle)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await handle.terminate("the test is over")
 
 
 async def running_federation(env: WorkflowEnvironment) -> AsyncIterator[Federation]:
@@ -503,6 +562,15 @@ async def running_federation(env: WorkflowEnvironment) -> AsyncIterator[Federati
             yield fed
         finally:
             await fed.end_leftovers()
+        if env.supports_time_skipping:
+            # The test left time skipping working for the next one (see end_leftovers).
+            try:
+                await asyncio.wait_for(env.sleep(60), 5)
+            except TimeoutError:
+                raise AssertionError(
+                    "the test server stopped skipping time (it does after an activity of a closed "
+                    "workflow completes): every later test would run in real time"
+                ) from None
 
 
 async def env_now_ms(env: WorkflowEnvironment) -> int:
@@ -570,15 +638,14 @@ async def wait_for_state(
     )
 
 
-async def upserted_states(handle: WorkflowHandle[Any, JobStatus]) -> list[str]:
-    """The ``IrisState`` search-attribute values the workflow upserted, in order (from its history)."""
+async def upserted(handle: WorkflowHandle[Any, JobStatus], key: SearchAttributeKey[str]) -> list[str]:
+    """The values of search attribute ``key`` the workflow upserted, in order (from its history)."""
     values: list[str] = []
     async for event in handle.fetch_history_events():
         if not event.HasField("upsert_workflow_search_attributes_event_attributes"):
             continue
         attrs = event.upsert_workflow_search_attributes_event_attributes.search_attributes
-        typed: TypedSearchAttributes = decode_typed_search_attributes(attrs)
-        value = typed.get(contract.SA_STATE)
+        value = decode_typed_search_attributes(attrs).get(key)
         if value is not None:
             values.append(value)
     return values

@@ -1,4 +1,5 @@
-"""JobWorkflow's first decision (SPEC §4): run at home now, queue for the federation, or reject."""
+"""JobWorkflow's first decision (docs/DESIGN.md, "Classification"): run at home now, queue for the
+federation, or reject."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ async def test_a_job_home_can_run_now_runs_at_home_without_the_queue(fed: Federa
     spec = cpu_spec("hello", fed.now_ms)
     handle = await fed.start(spec)
 
-    st = await handle.result()
+    st = await fed.result(handle)
 
     assert st.state is JobState.SUCCEEDED
     assert st.reason == f"Succeeded on {HOME}"
@@ -66,7 +67,7 @@ async def test_a_job_no_backend_can_host_is_rejected_without_touching_the_queue(
     spec = gpu_spec("tpu", fed.now_ms, device=DeviceRequest(type="tpu", variant="v5e", count=4))
     handle = await fed.start(spec)
 
-    st = await handle.result()
+    st = await fed.result(handle)
 
     assert st.state is JobState.REJECTED
     assert st.reason.startswith("no backend in the federation satisfies device-type")
@@ -77,7 +78,7 @@ async def test_a_job_no_backend_can_host_is_rejected_without_touching_the_queue(
 
 async def test_a_job_pinned_to_an_unknown_cluster_is_rejected(fed: Federation) -> None:
     spec = gpu_spec("pinned", fed.now_ms, target_cluster="cw-nowhere")
-    st = await (await fed.start(spec)).result()
+    st = await fed.result(await fed.start(spec))
 
     assert st.state is JobState.REJECTED
     assert st.reason.startswith("unknown cluster 'cw-nowhere' (known: ")
@@ -95,7 +96,7 @@ async def test_a_job_pinned_to_a_peer_queues_for_that_peer_even_if_home_could_ru
 
 
 async def test_a_job_pinned_to_home_runs_at_home(fed: Federation) -> None:
-    st = await (await fed.start(cpu_spec("home", fed.now_ms, target_cluster=HOME))).result()
+    st = await fed.result(await fed.start(cpu_spec("home", fed.now_ms, target_cluster=HOME)))
 
     assert (st.state, st.cluster, st.disposition) == (JobState.SUCCEEDED, HOME, "local")
     assert st.classification_reason == f"Pinned to the home cluster {HOME}"
