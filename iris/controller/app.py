@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from iris.bundle import MAX_ARCHIVE_BYTES, BundleError, check_sha256, human_size
 from iris.config import ClusterConfig, FederationConfig
-from iris.controller.artifacts import router as artifacts_router
+from iris.controller.artifacts import ArtifactCheckRequest, ArtifactReport, check_artifacts
 from iris.controller.bundles import BundleInfo
 from iris.controller.errors import ControllerError, InvalidArgument, NotFound, PermissionDenied
 from iris.controller.executors import MAX_LOG_CHUNK, Executor
@@ -277,5 +277,10 @@ def create_app(
     async def status(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
         return owned(executor, caller, job_id).status()
 
-    app.include_router(artifacts_router(cluster))
+    @app.post("/v1/artifacts/check", response_model=ArtifactReport, tags=["artifacts"])
+    async def artifacts_check(req: ArtifactCheckRequest, caller: CallerDep) -> ArtifactReport:
+        """Which of these artifacts this cluster cannot read in its own object store, checked with
+        its own credentials (the handoff's artifact check; any verified caller may ask)."""
+        return await check_artifacts(cluster, req.uris)
+
     return app

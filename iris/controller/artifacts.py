@@ -8,16 +8,15 @@ cluster that owns it (docs/DESIGN.md, "Credentials": "credentials are not transf
 clouds").
 
 The wire models and the check are importable without FastAPI (the worker and the CLI import the
-client, which parses ``ArtifactReport``); the router is built by ``router(cluster)``, which imports
-FastAPI and the controller's authentication dependency when the app is created.
-
-No ``from __future__ import annotations`` here: FastAPI resolves the endpoint's annotations, which
-name dependencies imported inside ``router``, when the endpoint is defined.
+client, which parses ``ArtifactReport``); the endpoint itself is the controller app's
+(iris/controller/app.py).
 """
+
+from __future__ import annotations
 
 import asyncio
 import re
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -25,9 +24,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from iris.config import ClusterConfig, ObjectStoreConfig
 from iris.controller.errors import Unavailable
 from iris.objectstore import SCHEMES, StoreUnavailable, open_store
-
-if TYPE_CHECKING:
-    from fastapi import APIRouter
 
 MAX_ARTIFACTS = 1024
 MAX_URI_CHARS = 1024
@@ -88,18 +84,3 @@ async def check_artifacts(cluster: ClusterConfig, uris: list[str]) -> ArtifactRe
         raise Unavailable(f"{cluster.name}'s object store is unavailable: {exc}") from None
     missing = [(uri, reason) for uri, reason in zip(uris, reasons, strict=True) if reason is not None]
     return ArtifactReport(missing=[uri for uri, _ in missing], reasons=[reason for _, reason in missing])
-
-
-def router(cluster: ClusterConfig) -> "APIRouter":
-    """The ``/v1/artifacts`` routes of ``cluster``'s controller; any verified caller may ask."""
-    from fastapi import APIRouter
-
-    from iris.controller.app import CallerDep  # the app module includes this router
-
-    api = APIRouter(tags=["artifacts"])
-
-    @api.post("/v1/artifacts/check", response_model=ArtifactReport)
-    async def check(req: ArtifactCheckRequest, caller: CallerDep) -> ArtifactReport:
-        return await check_artifacts(cluster, req.uris)
-
-    return api
