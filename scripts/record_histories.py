@@ -70,19 +70,6 @@ async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str
     return await stack.iris.submit(command, name=f"hist-{name}", user=USER, **kw)
 
 
-def _put_s3(stack: Stack, bucket: str, key: str) -> None:
-    import boto3
-
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{stack.config.s3_port}",
-        region_name="us-east-1",
-        aws_access_key_id="recorder",
-        aws_secret_access_key="recorder",
-    )
-    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
-
-
 # ---- scenarios: each drives one job to the end of its path and returns its id ----------------
 
 
@@ -93,8 +80,8 @@ async def local(stack: Stack) -> str:
 
 
 async def queued_handed_off(stack: Stack) -> str:
-    await asyncio.to_thread(_put_s3, stack, "cw-us-east-02a-artifacts", "hist/shard-0")
-    await asyncio.to_thread(_put_s3, stack, "cw-rno2a-artifacts", "hist/shard-0")
+    await asyncio.to_thread(stack.put_artifact, "cw-us-east-02a-artifacts", "hist/shard-0")
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "hist/shard-0")
     job_id = await _submit(
         stack,
         "queued-handed-off",
@@ -184,7 +171,7 @@ async def parked_replayed(stack: Stack) -> str:
         stack, "parked-replayed", ["echo", "late"], target_cluster="cw-rno2a", artifacts=[uri]
     )
     await _state(stack, job_id, JobState.HANDOFF_FAILED)
-    await asyncio.to_thread(_put_s3, stack, "cw-rno2a-artifacts", "hist/late.bin")
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "hist/late.bin")
     await stack.iris.replay_handoff(job_id)
     await _state(stack, job_id, JobState.SUCCEEDED)
     return job_id

@@ -108,6 +108,20 @@ class Stack:
     services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
 
+    def put_artifact(self, bucket: str, key: str, data: bytes = b"shard") -> None:
+        """Put an object into an S3 bucket of the emulator, with the emulator's own test
+        credentials: not any cluster's (the test process holds none of the peers')."""
+        import boto3
+
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{self.config.s3_port}",
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
+        s3.put_object(Bucket=bucket, Key=key, Body=data)
+
     def cli_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}
 

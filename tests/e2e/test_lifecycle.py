@@ -13,7 +13,6 @@ import contextlib
 import random
 import threading
 
-import boto3
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
@@ -62,17 +61,6 @@ async def wait_state(stack: Stack, job_id: str, *states: JobState, timeout: floa
     return await stack.iris.describe(job_id)
 
 
-def put_s3(stack: Stack, bucket: str, key: str) -> None:
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{stack.config.s3_port}",
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
-    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
-
-
 def put_gcs(stack: Stack, bucket: str, key: str) -> None:
     client = storage.Client(
         project="test",
@@ -84,7 +72,7 @@ def put_gcs(stack: Stack, bucket: str, key: str) -> None:
 
 async def test_queued_job_is_placed_promoted_checked_handed_off_and_mirrored(stack: Stack) -> None:
     for bucket in ("cw-us-east-02a-artifacts", "cw-rno2a-artifacts"):
-        await asyncio.to_thread(put_s3, stack, bucket, "data/shard-0")
+        await asyncio.to_thread(stack.put_artifact, bucket, "data/shard-0")
     job_id = await stack.iris.submit(
         ["sh", "-c", "echo training on $IRIS_CLUSTER with $CUDA_VISIBLE_DEVICES"],
         name="spill",

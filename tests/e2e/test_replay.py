@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from stack import Stack, wait_until
-from test_lifecycle import put_s3, remote, wait_state, where
+from test_lifecycle import remote, wait_state, where
 
 from iris.client import InvalidJob
 from iris.jobs import JobState
@@ -19,7 +19,7 @@ async def test_parked_job_is_replayed_in_place_once_its_artifact_exists(stack: S
         ["echo", "replayed"], name="replay-same", target_cluster="cw-rno2a", artifacts=[uri]
     )
     await wait_state(stack, job_id, JobState.HANDOFF_FAILED)
-    await asyncio.to_thread(put_s3, stack, "cw-rno2a-artifacts", "late/arrival.bin")
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "late/arrival.bin")
     message = await stack.iris.replay_handoff(job_id)
     assert "replay accepted" in message
     final = await stack.iris.wait(job_id, timeout_s=60)
@@ -29,7 +29,7 @@ async def test_parked_job_is_replayed_in_place_once_its_artifact_exists(stack: S
 
 
 async def test_parked_job_is_replayed_to_another_peer_through_the_cas(stack: Stack) -> None:
-    await asyncio.to_thread(put_s3, stack, "cw-us-east-02a-artifacts", "only-east/data")
+    await asyncio.to_thread(stack.put_artifact, "cw-us-east-02a-artifacts", "only-east/data")
     uri = "s3://cw-us-east-02a-artifacts/only-east/data"
     # Local job whose artifact is in S3: home (GCS) cannot read it, so it parks at home.
     job_id = await stack.iris.submit(["echo", "moved"], name="replay-peer", artifacts=[uri])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import boto3
 import httpx
 import pytest
 from security_support import Responses
@@ -59,18 +58,6 @@ def parse_environ(raw: bytes) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-def put_s3(stack: Stack, bucket: str, key: str) -> None:
-    # The emulator's own test credentials: not any cluster's.
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=f"http://127.0.0.1:{stack.config.s3_port}",
-        region_name="us-east-1",
-        aws_access_key_id="test",
-        aws_secret_access_key="test",
-    )
-    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
-
-
 def home_authorization(stack: Stack) -> str:
     return TokenSigner.from_config(stack.config, HOME, stack.key_dir).authorization()
 
@@ -99,7 +86,7 @@ async def test_a_peer_artifact_is_checked_by_the_peer_with_its_own_credentials(s
     assert_this_process_holds_no_peer_credentials(stack)
     log = stack.services["controller cw-rno2a"].log_path
     checks_before = log.read_text().count("POST /v1/artifacts/check -> 200")
-    await asyncio.to_thread(put_s3, stack, "cw-rno2a-artifacts", "creds/shard-0")
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "creds/shard-0")
     present = "s3://cw-rno2a-artifacts/creds/shard-0"
     ok = await stack.iris.submit(
         ["true"], name="creds-present", target_cluster="cw-rno2a", artifacts=[present]
