@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 
 from pydantic import BaseModel
 from temporalio import activity
@@ -34,6 +35,8 @@ class MirrorInput(BaseModel):
     cluster: str
     job_id: str
     known_state: str | None = None
+    # Where the output goes in the home relay (default: the job id, the first attempt's).
+    log_key: str | None = None
     poll_interval_s: float = 0.2
     log_interval_s: float = 1.0
     # Return even without a change after this long, so the workflow's loop stays responsive.
@@ -43,6 +46,60 @@ class MirrorInput(BaseModel):
 class TerminateInput(BaseModel):
     cluster: str
     job_id: str
+    # Only this attempt's run (a later attempt's is never touched); None: whatever run is current.
+    nonce: str | None = None
+    # Re-send the terminate until the cluster confirms the run has ended (or does not know it).
+    confirm: bool = False
+    resend_interval_s: float = 5.0
+
+
+class FollowInput(BaseModel):
+    cluster: str
+    job_id: str
+    # The attempt followed: a record of another attempt is not this one's (it is gone).
+    nonce: str | None = None
+    known_state: str | None = None
+    # Where this attempt's output goes in the home relay (docs/DESIGN.md, "Logs").
+    log_key: str
+    poll_interval_s: float = 0.2
+    log_interval_s: float = 1.0
+    # Return even without a change after this long, so the workflow's loop stays responsive.
+    max_wait_s: float = 600.0
+    # Return after the cluster has not answered for this long: the workflow judges a lost peer.
+    report_unreachable_s: float = 30.0
+
+
+class FollowResult(BaseModel):
+    """What following the attempt found: its new status, or that its cluster does not answer
+    (``unreachable_s`` so far), or that the cluster no longer has this attempt (``gone``)."""
+
+    status: ControllerJobStatus | None = None
+    unreachable_s: float = 0.0
+    error: str | None = None
+    gone: bool = False
+
+
+class FindInput(BaseModel):
+    cluster: str
+    job_id: str
+    nonce: str
+
+
+class AttemptFound(StrEnum):
+    """Whether a cluster has an attempt, as it answers it (the source of truth for "did it start?")."""
+
+    # The cluster runs (or ran) this attempt.
+    HERE = "here"
+    # The cluster answered, and has no run of this attempt.
+    ABSENT = "absent"
+    # The cluster did not answer.
+    UNKNOWN = "unknown"
+
+
+class FindResult(BaseModel):
+    found: AttemptFound
+    status: ControllerJobStatus | None = None
+    error: str | None = None
 
 
 class StageInput(BaseModel):
@@ -187,8 +244,11 @@ class PeerActivities:
         await client.put_bundle(ref.sha256, data)
         return True
 
-    async def _relay_logs(self, client: ControllerClient, job_id: str, offset: int) -> int:
-        """Copy whatever the job wrote since ``offset`` into the home-side relay; returns the new offset."""
+    async def _relay_logs(
+        self, client: ControllerClient, job_id: str, offset: int, log_key: str | None = None
+    ) -> int:
+        """Copy whatever the job wrote since ``offset`` into the home-side relay (under ``log_key``,
+        default the job id); returns the new offset."""
         relay = self._relay
         if relay is None:
             return offset
@@ -196,7 +256,7 @@ class PeerActivities:
             chunk = await client.logs(job_id, offset=offset)
             if not chunk.data or chunk.next_offset <= offset:
                 return offset
-            await asyncio.to_thread(relay.append, job_id, offset, chunk.next_offset, chunk.data)
+            await asyncio.to_thread(relay.append, log_key or job_id, offset, chunk.next_offset, chunk.data)
             offset = chunk.next_offset
 
     @activity.defn(name=contract.MIRROR_JOB)
@@ -209,15 +269,16 @@ class PeerActivities:
         """
         deadline = time.monotonic() + inp.max_wait_s
         relayed = 0
+        key = inp.log_key or inp.job_id
         if self._relay is not None:
-            relayed = await asyncio.to_thread(self._relay.relayed_offset, inp.job_id)
+            relayed = await asyncio.to_thread(self._relay.relayed_offset, key)
         next_relay = 0.0
         async with self._client(inp.cluster) as client:
             while True:
                 try:
                     last = await client.status(inp.job_id)
                     if last.terminal or time.monotonic() >= next_relay:
-                        relayed = await self._relay_logs(client, inp.job_id, relayed)
+                        relayed = await self._relay_logs(client, inp.job_id, relayed, key)
                         next_relay = time.monotonic() + inp.log_interval_s
                 except NotFound:
                     raise ApplicationError(
@@ -237,14 +298,85 @@ class PeerActivities:
                         return last
                 await asyncio.sleep(inp.poll_interval_s)
 
-    @activity.defn(name=contract.TERMINATE_JOB)
-    async def terminate_job(self, inp: TerminateInput) -> ControllerJobStatus | None:
-        """Ask the cluster to terminate the job; a cluster that no longer knows it satisfies the cancel."""
+    @activity.defn(name=contract.FOLLOW_JOB)
+    async def follow_job(self, inp: FollowInput) -> FollowResult:
+        """Follow one attempt on its cluster until its state differs from ``known_state``, relaying
+        its output home; or until the cluster has not answered for ``report_unreachable_s``.
+
+        Polls sub-second inside one heartbeating activity; before it reports a terminal state every
+        byte of output has been copied home.
+        """
+        deadline = time.monotonic() + inp.max_wait_s
+        relayed = 0
+        if self._relay is not None:
+            relayed = await asyncio.to_thread(self._relay.relayed_offset, inp.log_key)
+        next_relay = 0.0
+        silent_since: float | None = None
+        async with self._client(inp.cluster) as client:
+            while True:
+                try:
+                    last = await client.status(inp.job_id)
+                    if inp.nonce is not None and last.nonce != inp.nonce:
+                        return FollowResult(gone=True, error=f"{inp.cluster} runs another attempt of the job")
+                    if last.terminal or time.monotonic() >= next_relay:
+                        relayed = await self._relay_logs(client, inp.job_id, relayed, inp.log_key)
+                        next_relay = time.monotonic() + inp.log_interval_s
+                except NotFound:
+                    return FollowResult(gone=True, error=f"{inp.cluster} no longer knows job {inp.job_id}")
+                except ControllerError as exc:
+                    if not exc.retryable:
+                        raise
+                    now = time.monotonic()
+                    silent_since = now if silent_since is None else silent_since
+                    activity.heartbeat(f"{inp.cluster} unavailable: {exc.message}")
+                    if now - silent_since >= inp.report_unreachable_s:
+                        return FollowResult(unreachable_s=now - silent_since, error=exc.message)
+                else:
+                    silent_since = None
+                    activity.heartbeat(last.state.value)
+                    if last.state.value != inp.known_state or last.terminal or time.monotonic() > deadline:
+                        return FollowResult(status=last)
+                await asyncio.sleep(inp.poll_interval_s)
+
+    @activity.defn(name=contract.FIND_ATTEMPT)
+    async def find_attempt(self, inp: FindInput) -> FindResult:
+        """Ask a cluster whether it has this attempt of the job: after a launch whose answer was
+        lost, the cluster, not the caller's guess, says whether the job started (docs/DESIGN.md,
+        "Errors, retries and parking")."""
         try:
             async with self._client(inp.cluster) as client:
-                return await client.terminate(inp.job_id)
+                status = await client.status(inp.job_id)
         except NotFound:
-            return None
+            return FindResult(found=AttemptFound.ABSENT)
+        except ControllerError as exc:
+            if not exc.retryable:
+                raise
+            return FindResult(found=AttemptFound.UNKNOWN, error=exc.message)
+        if status.nonce != inp.nonce:
+            return FindResult(found=AttemptFound.ABSENT, status=status)
+        return FindResult(found=AttemptFound.HERE, status=status)
+
+    @activity.defn(name=contract.TERMINATE_JOB)
+    async def terminate_job(self, inp: TerminateInput) -> ControllerJobStatus | None:
+        """Ask the cluster to terminate the job (with ``nonce``: only that attempt's run); a cluster
+        that no longer knows it satisfies the cancel. With ``confirm``, the terminate is sent again
+        until the cluster reports the run ended (heartbeating; outages are ridden out here)."""
+        async with self._client(inp.cluster) as client:
+            while True:
+                try:
+                    status = await client.terminate(inp.job_id, nonce=inp.nonce)
+                except NotFound:
+                    return None
+                except ControllerError as exc:
+                    if not (exc.retryable and inp.confirm):
+                        raise
+                    activity.heartbeat(f"{inp.cluster} unavailable: {exc.message}")
+                else:
+                    done = status.terminal or (inp.nonce is not None and status.nonce != inp.nonce)
+                    if done or not inp.confirm:
+                        return status
+                    activity.heartbeat(f"{status.state.value}: terminating")
+                await asyncio.sleep(inp.resend_interval_s)
 
 
 def _handoff_error(cluster: str, what: str, exc: ControllerError) -> Exception:

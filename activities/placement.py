@@ -10,17 +10,29 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 
 from iris import contract
-from iris.config import FederationConfig
+from iris.config import ConfigError, FederationConfig
+from iris.controller.client import ControllerClient
+from iris.controller.errors import ControllerError, NotFound
 from iris.policy import plan_request
 from iris.policy.models import Placement, PlanRequest
-from iris.reports import gather_reports
+from iris.reports import FederationView, gather_reports
+from iris.store.models import Fence
 
+ABANDONED = "its workflow closed without ending the job (e.g. terminated from the Web UI)"
+# Closed runs that did not end their job themselves (ContinuedAsNew has a successor; Completed did).
+ABANDONING_STATUSES = ("Terminated", "Failed", "TimedOut", "Canceled")
+# Each look at closed workflows starts a little before the last one ended (visibility lags).
+RECONCILE_OVERLAP_S = 120.0
+FENCES_PER_TICK = 50
 # The tick heartbeats this often; the manager's heartbeat timeout (a few of these) is how soon a
 # tick lost with its worker is retried, instead of after the whole start-to-close timeout.
 HEARTBEAT_EVERY_S = 1.0
@@ -69,11 +81,20 @@ class TickOutcome(BaseModel):
     # A waiting job was held back by a peer's per-tick cap (PlanResult.capped): the manager ticks
     # again at once instead of after its interval.
     saturated: bool = False
+    # Handles ended because their workflow had closed; attempts confirmed ended on clusters that
+    # answer again.
+    abandoned: int = 0
+    fenced: int = 0
 
 
 class PlacementActivities:
     def __init__(
-        self, config: FederationConfig, store: FederationStore, *, offer_lease_s: float = 5.0
+        self,
+        config: FederationConfig,
+        store: FederationStore,
+        *,
+        offer_lease_s: float = 5.0,
+        reconcile_every_s: float = 1.0,
     ) -> None:
         self._config = config
         self._store = store
@@ -84,6 +105,11 @@ class PlacementActivities:
         # after a restart a job is at worst offered twice, which its promotion CAS absorbs.
         self._lease_s = offer_lease_s
         self._offers: dict[str, tuple[float, Placement]] = {}
+        # Closed workflows are looked for every ``reconcile_every_s``, since the last look (the first
+        # look after a start goes back a day).
+        self._reconcile_every_s = reconcile_every_s
+        self._reconciled_at = 0.0
+        self._reconciled_to = time.time() - 24 * 3600
 
     def _outstanding(self, queued: list[str]) -> dict[str, Placement]:
         """Offers still awaiting their job's answer; answered (no longer queued) or lapsed ones go."""
@@ -100,8 +126,76 @@ class PlacementActivities:
         handle = activity.client().get_workflow_handle(contract.job_workflow_id(job_id))
         try:
             await (handle.signal(name) if arg is None else handle.signal(name, arg))
-        except Exception as exc:  # a job that ended meanwhile; the next tick sees its handle
-            activity.logger.info("signal %s to %s failed: %s", name, job_id, exc)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                # Its workflow has closed without ending its handle (terminated from the Web UI,
+                # say): the handle would be offered capacity first at every tick, for ever.
+                await asyncio.to_thread(self._store.abandon, job_id, ABANDONED)
+                activity.logger.info("job %s: its workflow has closed; its handle is abandoned", job_id)
+            else:
+                activity.logger.info("signal %s to %s failed: %s", name, job_id, exc)
+
+    async def _reconcile(self) -> int:
+        """End the live handles of jobs whose workflow has closed (docs/DESIGN.md, "The tick"):
+        queued handles are caught by their signal; promoted or handed-off ones hold a reservation
+        and are found by listing the job workflows closed since the last look."""
+        since = self._reconciled_to - RECONCILE_OVERLAP_S
+        now = time.time()
+        if now - self._reconciled_at < self._reconcile_every_s:
+            return 0
+        stamp = datetime.fromtimestamp(since, UTC).isoformat().replace("+00:00", "Z")
+        statuses = ", ".join(f"'{s}'" for s in ABANDONING_STATUSES)
+        query = (
+            f"WorkflowType = '{contract.JOB_WORKFLOW}' AND ExecutionStatus IN ({statuses})"
+            f" AND CloseTime > '{stamp}'"
+        )
+        closed: list[str] = []
+        try:
+            async for wf in activity.client().list_workflows(query):
+                closed.append(wf.id)
+        except RPCError as exc:
+            activity.logger.warning("reconcile: cannot list closed jobs: %s", exc.message)
+            return 0
+        abandoned = 0
+        for job_id in closed:  # a handle already ended (or none) is left as it is
+            if await self._runs(job_id):
+                continue  # a later run of the job (a reset) owns the handle now
+            abandoned += await asyncio.to_thread(self._store.abandon, job_id, ABANDONED)
+        self._reconciled_at = now
+        self._reconciled_to = now
+        return abandoned
+
+    async def _runs(self, job_id: str) -> bool:
+        """Whether the job's latest workflow run is still running."""
+        try:
+            desc = await activity.client().get_workflow_handle(contract.job_workflow_id(job_id)).describe()
+        except RPCError:
+            return False
+        return desc.status == WorkflowExecutionStatus.RUNNING
+
+    async def _fence(self, view: FederationView) -> int:
+        """Terminate, by nonce, the attempts left on clusters that answer again; forget each one
+        its cluster confirms ended (or never had)."""
+        reachable = {r.peer_id for r in view.reports if r.reachable}
+        due = [f for f in await asyncio.to_thread(self._store.fences) if f.cluster in reachable]
+
+        async def one(fence: Fence) -> bool:
+            try:
+                async with ControllerClient.for_cluster(self._config, fence.cluster, timeout=5.0) as client:
+                    status = await client.terminate(fence.job_id, nonce=fence.nonce)
+            except NotFound:
+                status = None
+            except (ControllerError, ConfigError, KeyError) as exc:
+                activity.logger.info("fence %s@%s: %s", fence.nonce, fence.cluster, exc)
+                return False
+            if status is not None and not status.terminal and status.nonce == fence.nonce:
+                return False  # still stopping: again at the next tick
+            await asyncio.to_thread(self._store.remove_fence, fence.job_id, fence.nonce)
+            activity.logger.info("fence %s on %s: the attempt has ended there", fence.nonce, fence.cluster)
+            return True
+
+        done = await asyncio.gather(*(one(f) for f in due[:FENCES_PER_TICK]))
+        return sum(done)
 
     @activity.defn(name=contract.PLACEMENT_TICK)
     async def placement_tick(self, inp: TickInput) -> TickOutcome:
@@ -145,7 +239,11 @@ class PlacementActivities:
         sends += [(p.job_id, contract.PLACE, p) for p in result.placements]
         sends += [(j, contract.EXPLAIN, reasons[j]) for j in changed]
         await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
+        abandoned = await self._reconcile()
+        fenced = await self._fence(view)
         return TickOutcome(
+            abandoned=abandoned,
+            fenced=fenced,
             saturated=result.capped,
             at_ms=now_ms,
             queued=len(queued),

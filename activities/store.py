@@ -51,6 +51,12 @@ class HandleStateInput(BaseModel):
     reason: str | None = None
 
 
+class FenceInput(BaseModel):
+    job_id: str
+    nonce: str
+    cluster: str
+
+
 class StoreActivities:
     def __init__(self, store: FederationStore, task_queue: str, *, wake_debounce_s: float = 0.05) -> None:
         self._store = store
@@ -116,4 +122,9 @@ class StoreActivities:
         try:
             await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)
         except StoreConflict as exc:  # a refused transition is an answer, not an outage: never retried
-            raise ApplicationError(str(exc), type="StoreConflict", non_retryable=True) from None
+            raise ApplicationError(str(exc), type=contract.STORE_CONFLICT, non_retryable=True) from None
+
+    @activity.defn(name=contract.RECORD_FENCE)
+    async def record_fence(self, inp: FenceInput) -> None:
+        """Remember an attempt a silent cluster may still run: the tick terminates it there later."""
+        await asyncio.to_thread(self._store.add_fence, inp.job_id, inp.nonce, inp.cluster)

@@ -181,6 +181,9 @@ class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
     # A peer report older than this is treated as unknown (docs/DESIGN.md, "Staleness and reachability").
+    # A cluster running an attempt that has not answered for this long has lost it: the attempt
+    # ends and the job goes back to the queue (docs/DESIGN.md, "Attempts").
+    peer_lost_after_s: float = Field(default=600.0, gt=0)
     stale_after_ms: int = Field(default=30_000, ge=1)
     clusters: list[ClusterConfig]
     s3_port: int = 9200

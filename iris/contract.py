@@ -71,6 +71,8 @@ CHECK_ARTIFACTS = "check_artifacts"
 STAGE_BUNDLE = "stage_bundle"
 LAUNCH_JOB = "launch_job"
 MIRROR_JOB = "mirror_job"
+FOLLOW_JOB = "follow_job"
+FIND_ATTEMPT = "find_attempt"
 TERMINATE_JOB = "terminate_job"
 ENQUEUE_JOB = "enqueue_job"
 PROMOTE_JOB = "promote_job"
@@ -78,6 +80,7 @@ RECORD_CANCEL = "record_cancel"
 EXPIRE_JOB = "expire_job"
 SET_HANDLE_STATE = "set_handle_state"
 REQUEUE_JOB = "requeue_job"
+RECORD_FENCE = "record_fence"
 PLACEMENT_TICK = "placement_tick"
 
 # ---- error types activities raise (ApplicationError.type) ----------------------------------------
@@ -88,6 +91,8 @@ HANDOFF_REJECTED = "HandoffRejected"
 JOB_LOST = "JobLost"
 # The job's workspace bundle is not (intact) in the home store: nothing to stage until an operator acts.
 BUNDLE_UNAVAILABLE = "BundleUnavailable"
+# The federation store refused a handle transition (an answer, not an outage: never retried).
+STORE_CONFLICT = "StoreConflict"
 
 # ---- visibility ----------------------------------------------------------------------------------
 # Registered in every environment (dev server flags, test fixtures, the compose bootstrap): a
@@ -110,6 +115,8 @@ ACTIVITY_NAMES = (
     STAGE_BUNDLE,
     LAUNCH_JOB,
     MIRROR_JOB,
+    FOLLOW_JOB,
+    FIND_ATTEMPT,
     TERMINATE_JOB,
     ENQUEUE_JOB,
     PROMOTE_JOB,
@@ -117,7 +124,8 @@ ACTIVITY_NAMES = (
     EXPIRE_JOB,
     SET_HANDLE_STATE,
     REQUEUE_JOB,
+    RECORD_FENCE,
     PLACEMENT_TICK,
 )
 WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS)
-ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE)
+ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE, STORE_CONFLICT)

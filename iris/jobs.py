@@ -15,7 +15,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
 from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_STATE, SA_SUBMITTER
-from iris.controller.models import ControllerJobState
+from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
 from iris.store.models import HandleState
 
@@ -104,6 +104,68 @@ def handle_end(state: JobState) -> HandleState | None:
     return _HANDLE_END.get(state)
 
 
+MAX_RETRIES = 100
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def attempt_nonce(incarnation: str, attempt: int) -> str:
+    """The nonce of one delivery: the incarnation itself for the first (as before attempts were
+    numbered), ``<incarnation>#<n>`` after it. A cluster runs one attempt per nonce, at most once."""
+    return incarnation if attempt <= 1 else f"{incarnation}#{attempt}"
+
+
+def log_key(job_id: str, attempt: int) -> str:
+    """Where an attempt's output is relayed at home: the job id for the first, ``<job id>#<n>``
+    after it (``#`` is never part of a job id)."""
+    return job_id if attempt <= 1 else f"{job_id}#{attempt}"
+
+
+class AttemptEnd(StrEnum):
+    """How an attempt ended, as far as retries go (docs/DESIGN.md, "Attempts")."""
+
+    # The job is done: every replica exited 0.
+    SUCCEEDED = "SUCCEEDED"
+    # A replica failed (non-zero exit): retried under --max-retries-failure.
+    FAILED = "FAILED"
+    # It ran out of its --timeout: never retried.
+    TIMEOUT = "TIMEOUT"
+    # Terminated (a cancel): never retried.
+    KILLED = "KILLED"
+    # Its cluster lost it (WORKER_FAILED, forgotten, or silent past peer_lost_after): retried under
+    # --max-retries-preemption.
+    PREEMPTED = "PREEMPTED"
+
+    @property
+    def retryable(self) -> bool:
+        return self in (AttemptEnd.FAILED, AttemptEnd.PREEMPTED)
+
+
+def attempt_end(remote: ControllerJobState, error: str | None) -> AttemptEnd:
+    """How an attempt whose cluster reports it ``remote`` (terminal) ended."""
+    if remote is ControllerJobState.SUCCEEDED:
+        return AttemptEnd.SUCCEEDED
+    if remote is ControllerJobState.WORKER_FAILED:
+        return AttemptEnd.PREEMPTED
+    if remote is ControllerJobState.KILLED:
+        return AttemptEnd.KILLED
+    return AttemptEnd.TIMEOUT if error == TIMED_OUT else AttemptEnd.FAILED
+
+
+class AttemptView(BaseModel):
+    """One delivery of the job to a cluster, as ``describe`` shows it."""
+
+    number: int
+    cluster: str
+    backend_id: str
+    nonce: str
+    started_ms: int
+    ended_ms: int | None = None
+    # How it ended (an AttemptEnd), with the cluster's exit code and reason.
+    end: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+
+
 class JobSpec(BaseModel):
     """A submitted job: what to run, where it may run, and who asked."""
 
@@ -121,6 +183,12 @@ class JobSpec(BaseModel):
     submit_ms: int = 0
     # The submitter's workspace, kept in the home cluster's store; the job carries only its id.
     bundle: BundleRef | None = None
+    # How many more attempts a job gets after one that failed (a non-zero exit), and after one whose
+    # cluster lost it (its processes died with their worker, or the cluster stopped answering).
+    max_retries_failure: int = Field(default=0, ge=0, le=MAX_RETRIES)
+    max_retries_preemption: int = Field(default=1, ge=0, le=MAX_RETRIES)
+    # Wall-clock limit on running (per attempt): the cluster kills the job and it fails, "timeout".
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
 
     def shape(self) -> JobShape:
         deadline = None
@@ -189,6 +257,8 @@ class JobStatus(BaseModel):
     tasks: list[TaskView] = Field(default_factory=list)
     handoff_attempts: int = 0
     spec: JobSpec | None = None
+    # Every delivery of the job, in order; the last is the current one.
+    attempts: list[AttemptView] = Field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -222,6 +292,8 @@ class ReplayRequest(BaseModel):
     peer: str | None = None
     requeue: bool = False
     reason: str = "operator replay"
+    # Replay elsewhere although the last launch's cluster may still run the job (it is fenced).
+    force: bool = False
 
     def describe(self) -> str:
         where = (

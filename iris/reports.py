@@ -18,6 +18,8 @@ class FederationView(BaseModel):
 
     home: str
     stale_after_ms: int
+    # How long a cluster running an attempt may stay silent before the attempt counts as lost.
+    peer_lost_after_s: float = 600.0
     reports: list[PeerReport]
     # When the reports were read: staleness is judged at that instant, not when a (possibly
     # delayed) workflow task gets to look at them.
@@ -60,6 +62,7 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
     return FederationView(
         home=config.home,
         stale_after_ms=config.stale_after_ms,
+        peer_lost_after_s=config.peer_lost_after_s,
         reports=list(reports),
         fetched_ms=int(time.time() * 1000),
         configured={

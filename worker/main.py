@@ -78,6 +78,8 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
         peers.launch_job,
         peers.stage_bundle,
         peers.mirror_job,
+        peers.follow_job,
+        peers.find_attempt,
         peers.terminate_job,
         queue.enqueue_job,
         queue.promote_job,
@@ -85,6 +87,7 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
         queue.expire_job,
         queue.set_handle_state,
         queue.requeue_job,
+        queue.record_fence,
         placement.placement_tick,
         artifacts.check_artifacts,
     ]

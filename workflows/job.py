@@ -17,7 +17,7 @@ import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -26,11 +26,22 @@ from temporalio.exceptions import CancelledError as TemporalCancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
-    from activities.peers import LaunchInput, MirrorInput, PeerActivities, StageInput, TerminateInput
+    from activities.peers import (
+        AttemptFound,
+        FindInput,
+        FindResult,
+        FollowInput,
+        LaunchInput,
+        MirrorInput,
+        PeerActivities,
+        StageInput,
+        TerminateInput,
+    )
     from activities.store import (
         CancelIntentInput,
         EnqueueInput,
         ExpireInput,
+        FenceInput,
         HandleStateInput,
         PromoteInput,
         StoreActivities,
@@ -40,6 +51,8 @@ with workflow.unsafe.imports_passed_through():
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.jobs import (
+        AttemptEnd,
+        AttemptView,
         CancelOutcome,
         CancelRequest,
         JobEvent,
@@ -48,7 +61,10 @@ with workflow.unsafe.imports_passed_through():
         JobStatus,
         ReplayRequest,
         TaskView,
+        attempt_end,
+        attempt_nonce,
         handle_end,
+        log_key,
         mirrored_state,
     )
     from iris.policy import (
@@ -89,6 +105,8 @@ class _Step:
 
 _ARTIFACT_STEP = _Step(_QUICK, _ARTIFACT_RETRY)
 _STAGE_STEP = _Step(timedelta(minutes=5), _HANDOFF_RETRY)
+# Asking a cluster whether it has an attempt: an answer, or "unknown" after a few tries.
+_FIND_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 CANCELLED_WHILE_PARKED = "Cancelled while parked after a failed handoff"
 # Runs started with this patch do the federation-store writes (all but the promotion CAS) as
 # local activities, and upsert a search attribute only when its value changes (issue 9). Runs
@@ -99,6 +117,13 @@ LOCAL_STEPS_PATCH = "local-store-steps-v1"
 BUNDLE_PATCH = "workspace-bundle-v1"
 # Runs with this patch relay the output of a job whose (repeated) launch found it already ended.
 TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
+# Runs with this patch follow each attempt with follow_job (a silent cluster loses the attempt after
+# peer_lost_after) and retry a failed or lost attempt within the job's budgets; after a launch whose
+# answer never came they ask the cluster whether it has the attempt before parking (issue 15).
+ATTEMPTS_PATCH = "attempts-v1"
+# A parked job whose launch's outcome is unknown asks its cluster again after this, doubling to 10 min.
+_PROBE_FIRST = timedelta(seconds=15)
+_PROBE_MAX = timedelta(minutes=10)
 
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
@@ -112,6 +137,15 @@ def _is_cancellation(exc: BaseException) -> bool:
     return isinstance(exc, ActivityError) and isinstance(exc.cause, TemporalCancelledError)
 
 
+def _refusal(exc: ActivityError) -> bool:
+    """The failure is a cluster's final answer (a refusal, a missing bundle), not a lost one."""
+    cause = exc.cause
+    return isinstance(cause, ApplicationError) and cause.type in (
+        contract.HANDOFF_REJECTED,
+        contract.BUNDLE_UNAVAILABLE,
+    )
+
+
 class _Ended(Exception):
     """The job has reached its final state (already recorded): ``run`` returns it."""
 
@@ -122,6 +156,23 @@ class _Parked(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class _Adopted(Exception):
+    """A parked job's cluster answered that it had the attempt after all: it is followed there."""
+
+    def __init__(self, cluster: str, remote: ControllerJobStatus) -> None:
+        super().__init__(cluster)
+        self.cluster = cluster
+        self.remote = remote
+
+
+@dataclasses.dataclass(frozen=True)
+class _Retry:
+    """An attempt ended in a way the job may retry (a failure, or its cluster lost it)."""
+
+    end: AttemptEnd
+    reason: str
 
 
 @dataclasses.dataclass
@@ -153,11 +204,23 @@ class _Job:
     # Shielded writes a Temporal cancel must let land before it is recorded against them.
     enqueue_op: workflow.ActivityHandle[JobHandle] | None = None
     launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
+    # The current attempt (docs/DESIGN.md, "Attempts"), and the retries used of each budget.
+    attempt: int = 1
+    failures_retried: int = 0
+    preemptions_retried: int = 0
+    # A launch whose answer never came: (cluster, nonce) of an attempt that cluster may be running.
+    maybe_on: tuple[str, str] | None = None
+    # How long a cluster running an attempt may stay silent before the attempt is lost.
+    lost_after_s: float = 600.0
 
     @property
     def incarnation(self) -> str:
         # Minted once per job incarnation; stable across retries and workflow resets.
         return f"{self.spec.job_id}@{self.spec.submit_ms}"
+
+    @property
+    def nonce(self) -> str:
+        return attempt_nonce(self.incarnation, self.attempt)
 
     @property
     def waiting_in_queue(self) -> bool:
@@ -248,6 +311,13 @@ class JobWorkflow:
             )
         if request.requeue and request.peer:
             raise ValueError("choose --peer or --requeue, not both")
+        elsewhere = request.requeue or request.peer not in (None, job.maybe_on and job.maybe_on[0])
+        if job.maybe_on is not None and elsewhere and not request.force:
+            raise ValueError(
+                f"job {st.job_id} may be running on {job.maybe_on[0]}: its last launch went unanswered "
+                "and that cluster has not said since; another cluster could run it twice. Wait until it "
+                "answers (replay to it is safe), or replay with --force"
+            )
         if request.peer is not None:
             if request.peer not in job.clusters:
                 raise ValueError(f"unknown cluster {request.peer!r} (known: {', '.join(job.clusters)})")
@@ -417,6 +487,7 @@ class JobWorkflow:
             configured=view.configured,
         )
         job.clusters = [r.peer_id for r in view.reports]
+        job.lost_after_s = view.peer_lost_after_s
         job.status.disposition = decision.disposition.value
         job.status.classification_reason = decision.reason
         self._event(JobState.CLASSIFYING, f"classified {decision.disposition.value}: {decision.reason}")
@@ -535,18 +606,29 @@ class JobWorkflow:
     # ---- the handoff ----------------------------------------------------------------------
 
     async def _deliver(self, view: FederationView, cluster: str, backend: str) -> None:
-        """Hand off to ``cluster`` and follow the job to its end; a parked handoff waits for an
-        operator's replay or a cancel (docs/DESIGN.md, "Errors, retries and parking")."""
+        """Attempts until the job ends: hand off to ``cluster`` and follow it there; a parked
+        handoff waits for an operator's replay or a cancel (docs/DESIGN.md, "Errors, retries and
+        parking"); an attempt that failed or that its cluster lost is followed by another while the
+        job has retries left (docs/DESIGN.md, "Attempts")."""
         while True:
             try:
-                await self._deliver_once(view, cluster, backend)
-                return
+                remote = await self._hand_off(view, cluster, backend)
             except _Parked as parked:
-                replay = await self._park(parked.reason)
-                cluster, backend = await self._replay_target(view, cluster, backend, replay)
+                try:
+                    replay = await self._park(parked.reason)
+                except _Adopted as adopted:
+                    cluster, remote = adopted.cluster, adopted.remote
+                else:
+                    cluster, backend = await self._replay_target(view, cluster, backend, replay)
+                    continue
+            retry = await self._follow(cluster, remote)
+            if retry is None:
+                return
+            cluster, backend = await self._next_attempt(view, cluster, retry)
 
-    async def _deliver_once(self, view: FederationView, cluster: str, backend: str) -> None:
-        """PENDING_HANDOFF → artifact check → BUILDING → launch → mirrored to the end."""
+    async def _hand_off(self, view: FederationView, cluster: str, backend: str) -> ControllerJobStatus:
+        """PENDING_HANDOFF → artifact check → BUILDING → launch → HANDED_OFF: the job's status on
+        ``cluster`` as the launch answered it."""
         job = self._job
         job.status.backend_id = backend
         prepare = f"Promoted to {cluster}" if job.queued else f"Runs at home on {cluster}"
@@ -569,7 +651,7 @@ class JobWorkflow:
             # A launch repeated after a lost reply can find the job already ended: its output
             # still has to be relayed home, which the mirror does before it reports an end.
             launched = await self._read_remote(cluster)
-        await self._mirror_to_end(cluster, launched)
+        return launched
 
     async def _check_artifacts(self, cluster: str) -> None:
         """The destination checks the job's artifacts in its own store (docs/DESIGN.md,
@@ -602,12 +684,14 @@ class JobWorkflow:
     async def _launch(
         self, view: FederationView, cluster: str, backend: str, bundle: BundleRef | None
     ) -> ControllerJobStatus:
-        """The handoff: a signed launch under the job's id and incarnation nonce (docs/DESIGN.md,
+        """The handoff: a signed launch under the job's id and the attempt's nonce (docs/DESIGN.md,
         "Launch"). From the workflow task that schedules it on, the job counts as delivered."""
         job = self._job
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         job.delivered = True
         job.status.handoff_attempts += 1
+        await self._clear_stale(cluster)
+        self._attempt_started(cluster, backend)
         spec = job.spec
         request = LaunchRequest(
             job_id=spec.job_id,
@@ -617,9 +701,10 @@ class JobWorkflow:
             band=spec.band,
             user=spec.user,
             requester=view.home,
-            nonce=job.incarnation,
+            nonce=job.nonce,
             backend_id=backend,
             bundle=bundle,
+            timeout_s=spec.timeout_s,
         )
         try:
             # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
@@ -632,7 +717,63 @@ class JobWorkflow:
             )
             return await asyncio.shield(job.launch_op)
         except ActivityError as exc:
-            await self._refused_or_parked(exc, f"Handoff to {cluster} failed after retries")
+            why = f"Handoff to {cluster} failed after retries"
+            if _is_cancellation(exc) or _refusal(exc) or not workflow.patched(ATTEMPTS_PATCH):
+                await self._refused_or_parked(exc, why)
+            # No answer, but the launch may have landed: the cluster says whether it has the job.
+            found = await self._find_attempt(cluster, job.nonce)
+            if found.found is AttemptFound.HERE and found.status is not None:
+                self._event(JobState.PENDING_HANDOFF, f"{cluster} has the job although its answer was lost")
+                return found.status
+            if found.found is AttemptFound.ABSENT:
+                raise _Parked(
+                    f"{why}: {exc.cause or exc}; {cluster} confirms it never received the job"
+                ) from None
+            job.maybe_on = (cluster, job.nonce)
+            raise _Parked(
+                f"{why}: {exc.cause or exc}; the outcome is unknown: {cluster} does not answer, and "
+                f"the job may be running there"
+            ) from None
+
+    async def _clear_stale(self, cluster: str) -> None:
+        """Before a later attempt on ``cluster``: an earlier attempt there that its cluster lost
+        (silent) may be running again; it is stopped first (a cluster runs one attempt at a time)."""
+        for earlier in self._job.status.attempts:
+            if earlier.cluster == cluster and earlier.end == AttemptEnd.PREEMPTED.value:
+                await self._terminate(cluster, earlier.nonce)
+
+    def _attempt_started(self, cluster: str, backend: str) -> None:
+        """The attempt being delivered, as ``describe`` lists it (one entry per cluster and nonce)."""
+        job = self._job
+        attempts = job.status.attempts
+        if attempts and attempts[-1].nonce == job.nonce and attempts[-1].cluster == cluster:
+            return
+        if attempts and attempts[-1].end is None and attempts[-1].nonce == job.nonce:
+            attempts[-1].end, attempts[-1].ended_ms = "NOT_DELIVERED", self._now_ms()
+        attempts.append(
+            AttemptView(
+                number=job.attempt,
+                cluster=cluster,
+                backend_id=backend,
+                nonce=job.nonce,
+                started_ms=self._now_ms(),
+            )
+        )
+
+    def _attempt_ended(self, end: AttemptEnd, reason: str, exit_code: int | None) -> None:
+        if not self._job.status.attempts:
+            return
+        current = self._job.status.attempts[-1]
+        current.end, current.reason, current.exit_code = end.value, reason, exit_code
+        current.ended_ms = self._now_ms()
+
+    async def _find_attempt(self, cluster: str, nonce: str) -> FindResult:
+        return await workflow.execute_activity_method(
+            PeerActivities.find_attempt,
+            FindInput(cluster=cluster, job_id=self._job.spec.job_id, nonce=nonce),
+            start_to_close_timeout=_QUICK,
+            retry_policy=_FIND_RETRY,
+        )
 
     async def _handoff_step(
         self, method: Callable[[_Self, _In], Awaitable[_Out]], arg: _In, step: _Step, parked: str
@@ -658,17 +799,65 @@ class JobWorkflow:
         raise _Parked(f"{parked}: {cause or exc}")
 
     async def _park(self, reason: str) -> ReplayRequest:
-        """HANDOFF_FAILED waits for an operator's replay or a cancel; never dropped silently."""
+        """HANDOFF_FAILED waits for an operator's replay or a cancel; never dropped silently. While
+        the last launch's outcome is unknown, its cluster is asked again and again: the cluster,
+        not a guess, says whether the job started there (``_Adopted`` if it did)."""
         job = self._job
         self._set(JobState.HANDOFF_FAILED, reason)
         if job.queued:
             await self._handle_state(HandleState.HANDOFF_FAILED, reason)
-        await workflow.wait_condition(lambda: job.cancel is not None or job.replay is not None)
+        probe_in = _PROBE_FIRST
+        while True:
+            try:
+                await workflow.wait_condition(
+                    lambda: job.cancel is not None or job.replay is not None,
+                    timeout=probe_in if job.maybe_on is not None else None,
+                )
+            except TimeoutError:
+                await self._probe_parked()
+                probe_in = min(probe_in * 2, _PROBE_MAX)
+                continue
+            break
         if job.cancel is not None:
-            await self._finish(JobState.KILLED, CANCELLED_WHILE_PARKED)
+            await self._finish(JobState.KILLED, await self._stop_maybe_running())
         replay, job.replay = job.replay, None
         assert replay is not None
         return replay
+
+    async def _probe_parked(self) -> None:
+        """Ask the cluster whose launch went unanswered whether it has the attempt."""
+        job = self._job
+        assert job.maybe_on is not None
+        cluster, nonce = job.maybe_on
+        found = await self._find_attempt(cluster, nonce)
+        if found.found is AttemptFound.HERE and found.status is not None:
+            job.maybe_on = None
+            self._event(JobState.HANDOFF_FAILED, f"{cluster} answers: it has the job; following it there")
+            raise _Adopted(cluster, found.status)
+        if found.found is AttemptFound.ABSENT:
+            job.maybe_on = None
+            self._set(
+                JobState.HANDOFF_FAILED,
+                f"Handoff to {cluster} failed after retries; {cluster} confirms it never received the job",
+            )
+
+    async def _stop_maybe_running(self) -> str:
+        """A cancel of a parked job: if its last launch may have landed, terminate it there and wait
+        for the cluster to confirm (or to say it never had it); a cluster silent past
+        peer_lost_after gets a fence, which terminates the attempt when it answers again. Returns
+        the job's final reason."""
+        job = self._job
+        if job.maybe_on is None:
+            return CANCELLED_WHILE_PARKED
+        cluster, nonce = job.maybe_on
+        job.maybe_on = None
+        if await self._terminate(cluster, nonce):
+            return f"{CANCELLED_WHILE_PARKED}; {cluster} confirms the job is not running there"
+        await self._fence(cluster, nonce)
+        return (
+            f"{CANCELLED_WHILE_PARKED}; {cluster} did not answer for {job.lost_after_s:.0f}s: the "
+            "attempt is fenced there (terminated as soon as it answers)"
+        )
 
     async def _replay_target(
         self, view: FederationView, cluster: str, backend: str, replay: ReplayRequest
@@ -678,12 +867,13 @@ class JobWorkflow:
         self._event(JobState.HANDOFF_FAILED, f"operator replay: {replay.describe()}")
         if not replay.requeue and (replay.peer is None or replay.peer == cluster):
             return cluster, backend
-        if job.queued:
-            await self._store_step(
-                StoreActivities.requeue_job, ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation)
-            )
-        else:
-            await self._enqueue()
+        if job.maybe_on is not None:
+            # Forced past an unknown outcome (the validator refuses it otherwise): whatever that
+            # cluster may run of this attempt is terminated there as soon as it answers.
+            self._event(JobState.HANDOFF_FAILED, f"forced: the attempt {cluster} may run is fenced")
+            await self._fence(*job.maybe_on)
+            job.maybe_on = None
+        await self._requeue()
         if replay.requeue:
             self._set(JobState.QUEUED_HANDOFF, QUEUED_REASON)
         else:
@@ -696,6 +886,144 @@ class JobWorkflow:
                 forced=True,
                 reason="operator replay",
             )
+        placement = await self._await_promotion()
+        return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
+
+    async def _requeue(self) -> None:
+        """Back into the federation queue: a queued job's handle is requeued, another is enqueued."""
+        job = self._job
+        if job.queued:
+            await self._store_step(
+                StoreActivities.requeue_job, ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation)
+            )
+        else:
+            await self._enqueue()
+
+    async def _fence(self, cluster: str, nonce: str) -> None:
+        await self._store_step(
+            StoreActivities.record_fence,
+            FenceInput(job_id=self._job.spec.job_id, nonce=nonce, cluster=cluster),
+        )
+
+    # ---- attempts -------------------------------------------------------------------------
+
+    async def _follow(self, cluster: str, remote: ControllerJobStatus) -> _Retry | None:
+        """Follow the attempt to its end. None: the job ended (its handle too); a ``_Retry``: the
+        attempt failed, or its cluster lost it, and the job has a retry left for that."""
+        if not workflow.patched(ATTEMPTS_PATCH):  # runs begun before attempts were numbered
+            await self._mirror_to_end(cluster, remote)
+            return None
+        job = self._job
+        end, reason, exit_code = await self._follow_attempt(cluster, remote)
+        self._attempt_ended(end, reason, exit_code)
+        retries = {
+            AttemptEnd.FAILED: (job.failures_retried, job.spec.max_retries_failure, "--max-retries-failure"),
+            AttemptEnd.PREEMPTED: (
+                job.preemptions_retried,
+                job.spec.max_retries_preemption,
+                "--max-retries-preemption",
+            ),
+        }.get(end)
+        if retries is not None and job.cancel is None:
+            used, budget, flag = retries
+            if used < budget:
+                return _Retry(end, reason)
+            if budget:
+                reason = f"{reason}; no retries left ({flag} {budget})"
+        final = {
+            AttemptEnd.SUCCEEDED: JobState.SUCCEEDED,
+            AttemptEnd.KILLED: JobState.KILLED,
+        }.get(end, JobState.FAILED)
+        if final is not job.status.state or end in (AttemptEnd.PREEMPTED, AttemptEnd.TIMEOUT) or retries:
+            self._set(final, reason)
+        await self._record_end(None)
+        return None
+
+    async def _follow_attempt(
+        self, cluster: str, remote: ControllerJobStatus
+    ) -> tuple[AttemptEnd, str, int | None]:
+        """Mirror the attempt on ``cluster`` until it ends (docs/DESIGN.md, "Mirroring"); a cancel
+        terminates it there. Ends with how it ended, why, and its exit code."""
+        job = self._job
+        nonce = job.nonce
+        terminated = False
+        silent_since: int | None = None
+        report_s = min(30.0, job.lost_after_s / 4)
+        self._apply(remote)
+        while not remote.terminal:
+            if job.cancel is not None and not terminated:
+                terminated = True
+                if not await self._terminate(cluster, nonce):
+                    await self._fence(cluster, nonce)
+                    return AttemptEnd.KILLED, f"Cancelled; {cluster} is silent: the job is fenced there", None
+                continue
+            handle = workflow.start_activity_method(
+                PeerActivities.follow_job,
+                FollowInput(
+                    cluster=cluster,
+                    job_id=job.spec.job_id,
+                    nonce=nonce,
+                    known_state=remote.state.value,
+                    log_key=log_key(job.spec.job_id, job.attempt),
+                    report_unreachable_s=report_s,
+                ),
+                start_to_close_timeout=timedelta(minutes=15),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=_MIRROR_RETRY,
+            )
+            await workflow.wait_condition(functools.partial(self._mirror_wakeup, handle, terminated))
+            if not handle.done():
+                handle.cancel()
+                with contextlib.suppress(ActivityError, asyncio.CancelledError):
+                    await handle
+                continue
+            followed = await handle
+            if followed.gone:
+                if terminated:
+                    return AttemptEnd.KILLED, f"Killed; {cluster} no longer knows the job", None
+                return AttemptEnd.PREEMPTED, followed.error or f"{cluster} lost the job", None
+            if followed.status is None:
+                now = self._now_ms()
+                silent_since = silent_since or now - int(followed.unreachable_s * 1000)
+                silent_s = (now - silent_since) / 1000
+                self._set(
+                    job.status.state, f"{cluster} has not answered for {silent_s:.0f}s: {followed.error}"
+                )
+                if silent_s >= job.lost_after_s:
+                    await self._fence(cluster, nonce)
+                    return AttemptEnd.PREEMPTED, f"{cluster} did not answer for {silent_s:.0f}s", None
+                # Asked again after a pause: a cluster that refuses at once costs a timer, not a loop.
+                with contextlib.suppress(TimeoutError):
+                    await workflow.wait_condition(
+                        lambda: job.cancel is not None and not terminated,
+                        timeout=timedelta(seconds=min(report_s, job.lost_after_s - silent_s)),
+                    )
+                continue
+            silent_since = None
+            remote = followed.status
+            self._apply(remote)
+        end = attempt_end(remote.state, remote.error)
+        if job.cancel is not None and remote.state is ControllerJobState.KILLED:
+            self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
+        reason = job.status.reason
+        if end is AttemptEnd.TIMEOUT:
+            reason = f"Failed on {cluster}: timeout ({job.spec.timeout_s:g}s)"
+        return end, reason, remote.exit_code
+
+    async def _next_attempt(self, view: FederationView, cluster: str, retry: _Retry) -> tuple[str, str]:
+        """The next attempt goes through the queue again (same pin, else any eligible cluster)."""
+        job = self._job
+        if retry.end is AttemptEnd.FAILED:
+            job.failures_retried += 1
+        else:
+            job.preemptions_retried += 1
+        job.attempt += 1
+        self._event(job.status.state, f"attempt {job.attempt - 1} ended ({retry.end.value}): {retry.reason}")
+        await self._requeue()
+        self._set(
+            JobState.QUEUED_HANDOFF,
+            f"Attempt {job.attempt} queued: attempt {job.attempt - 1} on {cluster} {retry.end.value.lower()}",
+        )
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 
@@ -740,7 +1068,7 @@ class JobWorkflow:
         self._apply(remote)
         while not remote.terminal:
             if job.cancel is not None and not terminated:
-                await self._terminate(cluster, job_id)
+                await self._terminate(cluster)
                 terminated = True
                 continue
             handle = workflow.start_activity_method(
@@ -773,23 +1101,48 @@ class JobWorkflow:
         if job.cancel is not None and remote.state is ControllerJobState.KILLED:
             self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
 
-    def _mirror_wakeup(self, handle: asyncio.Future[ControllerJobStatus], terminated: bool) -> bool:
+    def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
         return handle.done() or (self._job.cancel is not None and not terminated)
 
-    async def _terminate(self, cluster: str, job_id: str) -> None:
-        self._event(self._job.status.state, f"terminating on {cluster}")
-        await workflow.execute_activity_method(
-            PeerActivities.terminate_job,
-            TerminateInput(cluster=cluster, job_id=job_id),
-            start_to_close_timeout=_QUICK,
-            retry_policy=_MIRROR_RETRY,
-        )
+    async def _terminate(self, cluster: str, nonce: str | None = None) -> bool:
+        """Terminate the attempt on ``cluster`` and wait until the cluster confirms it ended (or
+        never had it): re-driven until then. With a nonce (runs with attempts), a cluster silent
+        past peer_lost_after gives up: False, the caller fences the attempt."""
+        job = self._job
+        self._event(job.status.state, f"terminating on {cluster}")
+        if nonce is None:  # runs begun before attempts: one terminate, retried through outages
+            await workflow.execute_activity_method(
+                PeerActivities.terminate_job,
+                TerminateInput(cluster=cluster, job_id=job.spec.job_id),
+                start_to_close_timeout=_QUICK,
+                retry_policy=_MIRROR_RETRY,
+            )
+            return True
+        try:
+            await workflow.execute_activity_method(
+                PeerActivities.terminate_job,
+                TerminateInput(cluster=cluster, job_id=job.spec.job_id, nonce=nonce, confirm=True),
+                start_to_close_timeout=timedelta(minutes=15),
+                schedule_to_close_timeout=timedelta(seconds=job.lost_after_s),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=_MIRROR_RETRY,
+            )
+        except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
+            return False
+        return True
 
     async def _read_remote(self, cluster: str) -> ControllerJobStatus:
         """The job as its cluster has it now, with its output relayed home if it has ended."""
         return await workflow.execute_activity_method(
             PeerActivities.mirror_job,
-            MirrorInput(cluster=cluster, job_id=self._job.spec.job_id, known_state=None),
+            MirrorInput(
+                cluster=cluster,
+                job_id=self._job.spec.job_id,
+                known_state=None,
+                log_key=log_key(self._job.spec.job_id, self._job.attempt),
+            ),
             start_to_close_timeout=_QUICK,
             retry_policy=_MIRROR_RETRY,
         )
@@ -807,8 +1160,8 @@ class JobWorkflow:
         if not job.delivered or st.cluster is None:
             await self._cancel_before_handoff()
         if st.state is JobState.HANDOFF_FAILED:
-            await self._finish(JobState.KILLED, CANCELLED_WHILE_PARKED)
-        await self._mirror_to_end(st.cluster, await self._read_remote(st.cluster))
+            await self._finish(JobState.KILLED, await self._stop_maybe_running())
+        await self._follow(st.cluster, await self._read_remote(st.cluster))
 
 
 __all__ = ("JobWorkflow",)

@@ -268,9 +268,16 @@ def create_app(
         return await executor.read_log(job_id, offset, limit)
 
     @app.post("/v1/jobs/{job_id:path}/terminate", response_model=JobStatus, tags=["jobs"])
-    async def terminate(job_id: str, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
+    async def terminate(
+        job_id: str,
+        executor: ExecutorDep,
+        caller: CallerDep,
+        nonce: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+    ) -> JobStatus:
+        """Terminate the job; with ``nonce``, only the run of that attempt (a later attempt's run
+        is never touched by fencing an earlier one: the answer then shows the current run)."""
         owned(executor, caller, job_id)
-        job = await executor.terminate(job_id)
+        job = await executor.terminate(job_id, nonce=nonce)
         return job.status()
 
     @app.get("/v1/jobs/{job_id:path}", response_model=JobStatus, tags=["jobs"])

@@ -200,9 +200,14 @@ class ControllerClient:
             request_timeout=self.timeout + len(data) / UPLOAD_BYTES_PER_S,
         )
 
-    async def terminate(self, job_id: str) -> JobStatus:
+    async def terminate(self, job_id: str, nonce: str | None = None) -> JobStatus:
+        """Terminate the job (with ``nonce``: only that attempt's run, see the API)."""
         return await self._request(
-            "POST", _job_path(job_id) + "/terminate", JobStatus, request_timeout=self.timeout + 10
+            "POST",
+            _job_path(job_id) + "/terminate",
+            JobStatus,
+            params={"nonce": nonce} if nonce is not None else None,
+            request_timeout=self.timeout + 10,
         )
 
     async def check_artifacts(self, uris: Sequence[str]) -> ArtifactReport:

@@ -137,6 +137,10 @@ class ControllerJobState(StrEnum):
         return self not in (ControllerJobState.PENDING, ControllerJobState.RUNNING)
 
 
+# The error of a job its --timeout ended (FAILED): the home side never retries it.
+TIMED_OUT = "timed out"
+
+
 class TaskStatus(BaseModel):
     """One replica process of a job."""
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from iris.policy.explain import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED
 from iris.store.errors import StoreConflict, StoreError
-from iris.store.models import CancelResult, HandleState, JobHandle, PromoteOutcome, PromoteResult
+from iris.store.models import CancelResult, Fence, HandleState, JobHandle, PromoteOutcome, PromoteResult
 
 if TYPE_CHECKING:
     from iris.store.schema import LATEST_VERSION, MIGRATIONS, Migration
@@ -41,6 +41,7 @@ __all__ = [
     "MIGRATIONS",
     "CancelResult",
     "FederationStore",
+    "Fence",
     "HandleState",
     "JobHandle",
     "Migration",

@@ -136,3 +136,13 @@ class CancelResult(BaseModel):
     won: bool
     state: HandleState
     message: str = Field(default="")
+
+
+class Fence(BaseModel):
+    """An attempt a cluster may still run although the job has moved on: terminated there, by its
+    nonce, once that cluster answers (docs/DESIGN.md, "Attempts")."""
+
+    job_id: str
+    nonce: str
+    cluster: str
+    created_ms: int

@@ -82,6 +82,18 @@ peer_reports = Table(
     Column("updated_ms", BigInteger, nullable=False),
 )
 
+# Attempts of a job that a cluster may still run although the job has moved on (the cluster went
+# silent, or a launch's answer was lost): the placement manager terminates each one, by its nonce,
+# once that cluster answers again, then forgets it (docs/DESIGN.md, "Attempts").
+fences = Table(
+    "fences",
+    metadata,
+    Column("job_id", Text, primary_key=True),
+    Column("nonce", Text, primary_key=True),
+    Column("cluster", Text, nullable=False),
+    Column("created_ms", BigInteger, nullable=False),
+)
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -134,7 +146,22 @@ def _m001_initial(conn: Connection) -> None:
         conn.exec_driver_sql(statement)
 
 
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial federation store", _m001_initial),)
+def _m002_fences(conn: Connection) -> None:
+    conn.exec_driver_sql(
+        """CREATE TABLE fences (
+            job_id TEXT NOT NULL,
+            nonce TEXT NOT NULL,
+            cluster TEXT NOT NULL,
+            created_ms BIGINT NOT NULL,
+            PRIMARY KEY (job_id, nonce)
+        )"""
+    )
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial federation store", _m001_initial),
+    Migration(2, "fences of attempts left on silent clusters", _m002_fences),
+)
 
 LATEST_VERSION = MIGRATIONS[-1].version
 

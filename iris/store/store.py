@@ -33,12 +33,14 @@ from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservatio
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import (
     CancelResult,
+    Fence,
     HandleState,
     JobHandle,
     PromoteOutcome,
     PromoteResult,
 )
 from iris.store.schema import LATEST_VERSION, job_handles, migrate, peer_reports, recorded_versions
+from iris.store.schema import fences as fences_table
 from iris.store.schema import reservations as reservations_table
 
 T = TypeVar("T")
@@ -554,19 +556,17 @@ class FederationStore:
         return self._run(body)
 
     def requeue(self, job_id: str, incarnation: str) -> bool:
-        """Put a PENDING_HANDOFF or HANDOFF_FAILED handle back in the queue (operator replay).
+        """Put a handle back in the queue: an operator's replay of a PENDING_HANDOFF or
+        HANDOFF_FAILED handoff, or the next attempt after one that ended (HANDED_OFF).
 
         Clears the assignment and releases the reservation. Refused (False) for a stale
         incarnation, any other state, or a handle with a cancel intent.
         """
+        requeueable = (HandleState.PENDING_HANDOFF, HandleState.HANDOFF_FAILED, HandleState.HANDED_OFF)
 
         def body(conn: Connection) -> bool:
             handle = _locked(conn, job_id, incarnation)
-            if (
-                handle is None
-                or handle.state not in (HandleState.PENDING_HANDOFF, HandleState.HANDOFF_FAILED)
-                or handle.cancel_requested
-            ):
+            if handle is None or handle.state not in requeueable or handle.cancel_requested:
                 return False
             _write_handle(
                 conn,
@@ -585,6 +585,60 @@ class FederationStore:
             return True
 
         return self._run(body)
+
+    def abandon(self, job_id: str, reason: str) -> bool:
+        """End a live handle whose workflow has closed without ending it (e.g. terminated from the
+        Web UI): KILLED with ``reason``, its reservation released. True if it did."""
+
+        def body(conn: Connection) -> bool:
+            row = _lock_handle(conn, job_id)
+            if row is None:
+                return False
+            handle = _row_handle(row)
+            if handle.state.terminal:
+                return False
+            _write_handle(
+                conn,
+                handle.model_copy(
+                    update={"state": HandleState.KILLED, "reason": reason, "updated_ms": _now_ms()}
+                ),
+            )
+            _delete_reservations(conn, [job_id])
+            return True
+
+        return self._run(body)
+
+    # ---- fences ----------------------------------------------------------------------------------
+
+    def add_fence(self, job_id: str, nonce: str, cluster: str) -> None:
+        """Remember an attempt ``cluster`` may still run (idempotent)."""
+        t = fences_table
+
+        def body(conn: Connection) -> None:
+            exists = conn.execute(select(t.c.job_id).where(t.c.job_id == job_id, t.c.nonce == nonce)).first()
+            if exists is None:
+                conn.execute(
+                    t.insert().values(job_id=job_id, nonce=nonce, cluster=cluster, created_ms=_now_ms())
+                )
+
+        self._run(body)
+
+    def fences(self, limit: int = 1000) -> list[Fence]:
+        """The attempts still to terminate, oldest first."""
+        t = fences_table
+
+        def body(conn: Connection) -> list[Fence]:
+            rows = conn.execute(select(t).order_by(t.c.created_ms, t.c.job_id).limit(limit))
+            return [
+                Fence(job_id=r.job_id, nonce=r.nonce, cluster=r.cluster, created_ms=r.created_ms)
+                for r in rows
+            ]
+
+        return self._run(body)
+
+    def remove_fence(self, job_id: str, nonce: str) -> None:
+        t = fences_table
+        self._run(lambda conn: conn.execute(delete(t).where(t.c.job_id == job_id, t.c.nonce == nonce)))
 
     # ---- the reservation ledger ----------------------------------------------------------------
 

@@ -336,3 +336,19 @@ async def test_no_process_outlives_its_job(open_controller: Controller) -> None:
         await poll(
             lambda pid=pid: asyncio.to_thread(process_alive, pid), lambda alive: not alive, what=f"{pid} gone"
         )
+
+
+async def test_terminate_by_nonce_fences_only_that_attempt(open_controller: Controller) -> None:
+    """Fencing a stale attempt never stops a later one: terminate with the old attempt's nonce is a
+    no-op once another attempt's run is current, and stops the run when it is that attempt's."""
+    first = request(py("print('one')"), nonce="n-1")
+    async with open_controller.client() as c:
+        await c.launch(first)
+        assert (await wait_terminal(c, first.job_id)).state is S.SUCCEEDED
+        second = first.model_copy(update={"nonce": "n-2", "command": py("import time; time.sleep(60)")})
+        await c.launch(second)
+        await poll(lambda: c.status(first.job_id), lambda st: st.state is S.RUNNING, what="attempt 2 runs")
+        st = await c.terminate(first.job_id, nonce="n-1")  # the stale attempt: already over
+        assert st.nonce == "n-2" and st.state is S.RUNNING and st.attempts == 2
+        st = await c.terminate(first.job_id, nonce="n-2")
+        assert st.nonce == "n-2" and st.state is S.KILLED

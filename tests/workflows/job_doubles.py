@@ -30,8 +30,26 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactInput, ArtifactReport
-from activities.peers import LaunchInput, MirrorInput, StageInput, StageResult, TerminateInput
-from activities.store import CancelIntentInput, EnqueueInput, ExpireInput, HandleStateInput, PromoteInput
+from activities.peers import (
+    AttemptFound,
+    FindInput,
+    FindResult,
+    FollowInput,
+    FollowResult,
+    LaunchInput,
+    MirrorInput,
+    StageInput,
+    StageResult,
+    TerminateInput,
+)
+from activities.store import (
+    CancelIntentInput,
+    EnqueueInput,
+    ExpireInput,
+    FenceInput,
+    HandleStateInput,
+    PromoteInput,
+)
 from iris import contract
 from iris.bundle import BundleRef
 from iris.controller.models import ControllerJobState, TaskStatus
@@ -131,9 +149,12 @@ class Outage:
 @dataclass(frozen=True)
 class LoseReply:
     """The cluster accepts the launch (the job now runs there, in ``state``) but the reply is lost:
-    the activity fails retryably, and a repeated launch with the same nonce finds the job as is."""
+    the activity fails retryably, and a repeated launch with the same nonce finds the job as is.
+    ``then_silent``: right after, the cluster stops answering anyone (a partition), so the workflow
+    cannot learn whether the launch landed."""
 
     state: ControllerJobState = ControllerJobState.RUNNING
+    then_silent: bool = False
 
 
 @dataclass(frozen=True)
@@ -193,6 +214,9 @@ class FakeFederation:
     mirror: list[MirrorStep] = field(default_factory=lambda: [ControllerJobState.SUCCEEDED])
     # set_handle_state: transitions the store refuses (StoreConflict).
     refused_handle_states: set[HandleState] = field(default_factory=set)
+    # Clusters that do not answer at all (a partition, or a cluster lost for good): every call to
+    # them fails as an outage; follow_job reports them silent.
+    silent: set[str] = field(default_factory=set)
 
     # ---- recorded ----
     enqueued: list[EnqueueInput] = field(default_factory=list)
@@ -209,6 +233,9 @@ class FakeFederation:
     deliveries: list[tuple[str, str]] = field(default_factory=list)
     mirror_calls: list[tuple[str, str | None]] = field(default_factory=list)
     terminations: list[str] = field(default_factory=list)
+    # (cluster, nonce) of every attempt the workflow asked the store to fence.
+    fences: list[tuple[str, str]] = field(default_factory=list)
+    finds: list[tuple[str, str]] = field(default_factory=list)
     # Jobs whose output the mirror relayed home when it reported their end.
     relayed: list[str] = field(default_factory=list)
     # The job as each cluster has it (cluster, job id) → status.
@@ -295,7 +322,10 @@ class FakeFederation:
             self.stage_bundle,
             self.launch_job,
             self.mirror_job,
+            self.follow_job,
+            self.find_attempt,
             self.terminate_job,
+            self.record_fence,
         ]
 
     # ---- peers ----
@@ -335,6 +365,8 @@ class FakeFederation:
         self.launch_attempts.append(inp.cluster)
         self.launch_requests.append(inp)
         step = _next(self.launch)
+        if inp.cluster in self.silent:
+            raise ApplicationError(f"{inp.cluster}: connection refused")
         if isinstance(step, Refuse):
             raise ApplicationError(step.message, type=contract.HANDOFF_REJECTED, non_retryable=True)
         if isinstance(step, Outage):
@@ -357,6 +389,8 @@ class FakeFederation:
             self.deliveries.append((inp.cluster, request.nonce))
         # else: the same requester and nonce again, an idempotent replay (no second run).
         if isinstance(step, LoseReply):
+            if step.then_silent:
+                self.silent.add(inp.cluster)
             raise ApplicationError("the reply was lost: connection reset")
         return known
 
@@ -413,16 +447,72 @@ class FakeFederation:
             raise job_lost(inp.cluster, inp.job_id)
         return self._reported(key, current)
 
+    @activity.defn(name=contract.FOLLOW_JOB)
+    async def follow_job(self, inp: FollowInput) -> FollowResult:
+        """The mirror_job double's answers, in follow_job's shape: a job its cluster forgot is
+        ``gone``, a silent cluster is reported silent (for report_unreachable_s, simulated)."""
+        await self._enter(contract.FOLLOW_JOB)
+        self.mirror_calls.append((inp.cluster, inp.known_state))
+        if inp.cluster in self.silent:
+            return FollowResult(unreachable_s=inp.report_unreachable_s, error="connection refused")
+        key = (inp.cluster, inp.job_id)
+        current = self.remote.get(key)
+        if current is None or (inp.nonce is not None and current.nonce != inp.nonce):
+            return FollowResult(gone=True, error=f"{inp.cluster} no longer knows job {inp.job_id}")
+        if inp.known_state is None or current.terminal:
+            return FollowResult(status=self._reported(key, current))
+        if self.mirror:
+            step = self.mirror.pop(0)
+            if isinstance(step, ApplicationError) and step.type == contract.JOB_LOST:
+                return FollowResult(gone=True, error=step.message)
+            if isinstance(step, Exception):
+                raise step
+            return FollowResult(status=self._reported(key, self._set_remote(key, step)))
+        while (
+            (current := self.remote.get(key)) is not None
+            and current.state.value == inp.known_state
+            and inp.cluster not in self.silent
+        ):
+            activity.heartbeat(inp.known_state)
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), 1.0)
+        if inp.cluster in self.silent:
+            return FollowResult(unreachable_s=inp.report_unreachable_s, error="connection refused")
+        if current is None:
+            return FollowResult(gone=True, error=f"{inp.cluster} no longer knows job {inp.job_id}")
+        return FollowResult(status=self._reported(key, current))
+
+    @activity.defn(name=contract.FIND_ATTEMPT)
+    async def find_attempt(self, inp: FindInput) -> FindResult:
+        await self._enter(contract.FIND_ATTEMPT)
+        self.finds.append((inp.cluster, inp.nonce))
+        if inp.cluster in self.silent:
+            return FindResult(found=AttemptFound.UNKNOWN, error="connection refused")
+        current = self.remote.get((inp.cluster, inp.job_id))
+        if current is None or current.nonce != inp.nonce:
+            return FindResult(found=AttemptFound.ABSENT, status=current)
+        return FindResult(found=AttemptFound.HERE, status=current)
+
     @activity.defn(name=contract.TERMINATE_JOB)
     async def terminate_job(self, inp: TerminateInput) -> RemoteStatus | None:
         await self._enter(contract.TERMINATE_JOB)
+        if inp.cluster in self.silent:
+            raise ApplicationError(f"{inp.cluster}: connection refused")
         self.terminations.append(inp.cluster)
         key = (inp.cluster, inp.job_id)
         if key not in self.remote:
             return None
+        if inp.nonce is not None and self.remote[key].nonce != inp.nonce:
+            return self.remote[key]  # another attempt's run: never touched
         if self.remote[key].terminal:
             return self.remote[key]
         return self._set_remote(key, ControllerJobState.KILLED)
+
+    @activity.defn(name=contract.RECORD_FENCE)
+    async def record_fence(self, inp: FenceInput) -> None:
+        await self._enter(contract.RECORD_FENCE)
+        self.fences.append((inp.cluster, inp.nonce))
 
     # ---- the federation store ----
 
@@ -475,7 +565,7 @@ class FakeFederation:
         if inp.state in self.refused_handle_states:
             raise ApplicationError(
                 f"handle {inp.job_id} cannot move to {inp.state.value}",
-                type="StoreConflict",
+                type=contract.STORE_CONFLICT,
                 non_retryable=True,
             )
         self.handle_states.append((inp.state, inp.reason))

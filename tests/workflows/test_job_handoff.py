@@ -209,7 +209,8 @@ async def test_a_job_whose_cluster_lost_its_process_ends_failed_with_the_cluster
         ControllerJobState.RUNNING,
         Remote(ControllerJobState.WORKER_FAILED, None, LOST_PROCESS),
     ]
-    handle = await fed.queued(gpu_spec("lost-process", fed.now_ms))
+    # No retry for a lost attempt (the default allows one: tests/workflows/test_job_attempts.py).
+    handle = await fed.queued(gpu_spec("lost-process", fed.now_ms, max_retries_preemption=0))
     await fed.place(handle)
     st = await fed.result(handle)
 
@@ -219,7 +220,7 @@ async def test_a_job_whose_cluster_lost_its_process_ends_failed_with_the_cluster
 
 async def test_a_job_whose_cluster_lost_its_process_does_not_claim_an_exit_code(fed: Federation) -> None:
     fed.fake.mirror = [Remote(ControllerJobState.WORKER_FAILED, None, LOST_PROCESS)]
-    handle = await fed.queued(gpu_spec("lost-process", fed.now_ms))
+    handle = await fed.queued(gpu_spec("lost-process", fed.now_ms, max_retries_preemption=0))
     await fed.place(handle)
     st = await fed.result(handle)
 
@@ -251,7 +252,7 @@ async def test_the_mirror_rides_out_transient_errors_with_backoff(fed: Federatio
 
 
 async def test_a_job_its_cluster_no_longer_knows_ends_failed(fed: Federation) -> None:
-    spec = gpu_spec("lost", fed.now_ms)
+    spec = gpu_spec("lost", fed.now_ms, max_retries_preemption=0)
     fed.fake.mirror = [job_lost(PEER, spec.job_id)]
     handle = await fed.queued(spec)
     await fed.place(handle)

@@ -191,10 +191,14 @@ class Executor:
     def all_jobs(self) -> list[JobRecord]:
         return sorted(self.jobs.values(), key=lambda j: j.seq)
 
-    async def terminate(self, job_id: str, *, wait_s: float | None = None) -> JobRecord:
-        """Kill a job (pending: dropped; running: stopped by its backend, within the kill grace)."""
+    async def terminate(
+        self, job_id: str, *, nonce: str | None = None, wait_s: float | None = None
+    ) -> JobRecord:
+        """Kill a job (pending: dropped; running: stopped by its backend, within the kill grace).
+        With ``nonce``, only that attempt's run: if another run is current, that one ended long
+        ago (a new nonce is refused while a run is live) and nothing is touched."""
         job = self.get(job_id)
-        if job.terminal:
+        if job.terminal or (nonce is not None and job.nonce != nonce):
             return job
         backend = self.backends[job.backend_id]
         if job.state is ControllerJobState.PENDING and backend.cancel_pending(job):

@@ -21,7 +21,7 @@ from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, Demand, JobHost
-from iris.controller.models import ControllerJobState
+from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport
 
@@ -416,7 +416,7 @@ class ProcessBackend(Backend):
         if job.terminate_requested:
             return ControllerJobState.KILLED, None, "terminated on request"
         if timed_out:
-            return ControllerJobState.FAILED, first_failure, "timed out"
+            return ControllerJobState.FAILED, first_failure, TIMED_OUT
         if first_failure is not None:
             return ControllerJobState.FAILED, first_failure, None
         return ControllerJobState.SUCCEEDED, 0, None

@@ -42,7 +42,7 @@ from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, BackendUnreachable, JobHost
-from iris.controller.models import ControllerJobState
+from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport
 
@@ -533,7 +533,7 @@ class RayBackend(Backend):
         if tracked.job.terminate_requested:
             return ControllerJobState.KILLED, None, "terminated on request"
         if tracked.timed_out:
-            return ControllerJobState.FAILED, code if code else None, "timed out"
+            return ControllerJobState.FAILED, code if code else None, TIMED_OUT
         if info.status == JobStatus.SUCCEEDED:
             return ControllerJobState.SUCCEEDED, 0, None
         if info.status == JobStatus.STOPPED:
