@@ -223,6 +223,45 @@ async def launch_reply_lost(stack: Stack) -> str:
     return job_id
 
 
+async def failure_retried(stack: Stack) -> str:
+    # Attempt 1 exits 3; --max-retries-failure 1 sends the job back to the queue, and attempt 2 (a
+    # new nonce) succeeds.
+    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "failed-once"
+    spec = JobSpec(
+        job_id="recorder/hist-failure-retried",
+        name="hist-failure-retried",
+        user=USER,
+        command=["sh", "-c", f"test -e {marker} || {{ touch {marker}; exit 3; }}"],
+        device=DeviceRequest(type="gpu", variant="h100", count=8),
+        max_retries_failure=1,
+        submit_ms=int(time.time() * 1000),
+    )
+    await stack.client.start_workflow(
+        JOB_WORKFLOW,
+        spec,
+        id=spec.job_id,
+        task_queue=stack.config.temporal.task_queue,
+        search_attributes=start_search_attributes(spec),
+    )
+    status = await _state(stack, spec.job_id, JobState.SUCCEEDED, within=120)
+    assert [a.end for a in status.attempts] == ["FAILED", "SUCCEEDED"], status.attempts
+    return spec.job_id
+
+
+async def launch_replies_all_lost(stack: Stack) -> str:
+    # Every reply to the launch is lost: the retries run out, the workflow asks the peer whether it
+    # has the attempt (it does) and follows it there instead of parking.
+    proxy = stack.proxies["cw-rno2a"]
+    proxy.lose_replies["POST /v1/jobs"] += 20
+    try:
+        job_id = await _submit(stack, "replies-lost", ["echo", "once"], target_cluster="cw-rno2a")
+        status = await _state(stack, job_id, JobState.SUCCEEDED, within=120)
+        assert len(status.attempts) == 1 and status.handoff_attempts == 1, status
+    finally:
+        proxy.lose_replies.clear()
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -248,6 +287,8 @@ SCENARIOS = [
     Scenario("outage_parked_cancelled", outage_parked_cancelled, alone=True),
     Scenario("bundled_handed_off", bundled_handed_off),
     Scenario("launch_reply_lost", launch_reply_lost, alone=True),
+    Scenario("failure_retried", failure_retried),
+    Scenario("launch_replies_all_lost", launch_replies_all_lost, alone=True),
 ]
 MANAGER = "placement_manager"
 

@@ -69,6 +69,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if needs_services(item):
             item.add_marker(pytest.mark.e2e)
+        # Service-free but minutes long (months of simulated history): the full suite runs them.
+        if budget.FAST and item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.skip(reason="long: runs in the full suite (uv run pytest)"))
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,10 @@ import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any, NoReturn, TypeVar
 
+from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -121,6 +123,17 @@ TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
 # peer_lost_after) and retry a failed or lost attempt within the job's budgets; after a launch whose
 # answer never came they ask the cluster whether it has the attempt before parking (issue 15).
 ATTEMPTS_PATCH = "attempts-v1"
+# Runs with this patch continue as new past _CONTINUE_AFTER_EVENTS history events, at a quiet point
+# of a long wait (queued, following an attempt, parked), carrying a _Carry (docs/DESIGN.md,
+# "Bounded histories").
+CONTINUE_PATCH = "continue-as-new-v1"
+_CONTINUE_AFTER_EVENTS = 2_000
+# The job's own event list (the status query's) keeps its first and latest events across runs.
+_EVENTS_HEAD = 20
+_EVENTS_TAIL = 200
+# follow_job answers at the latest after this without a change: a running job's history grows by
+# one activity every half hour (and continues as new, see above).
+_FOLLOW_MAX_WAIT = timedelta(minutes=30)
 # A parked job whose launch's outcome is unknown asks its cluster again after this, doubling to 10 min.
 _PROBE_FIRST = timedelta(seconds=15)
 _PROBE_MAX = timedelta(minutes=10)
@@ -151,11 +164,13 @@ class _Ended(Exception):
 
 
 class _Parked(Exception):
-    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason."""
+    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason
+    (``resumed``: it was parked already, in the run that continued as new)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, *, resumed: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.resumed = resumed
 
 
 class _Adopted(Exception):
@@ -165,6 +180,43 @@ class _Adopted(Exception):
         super().__init__(cluster)
         self.cluster = cluster
         self.remote = remote
+
+
+class Phase(StrEnum):
+    """Where a run that continued as new left the job (docs/DESIGN.md, "Bounded histories")."""
+
+    # Waiting in the federation queue for a placement (first attempt or a later one).
+    QUEUED = "queued"
+    # An attempt runs on ``cluster``: it is followed there.
+    FOLLOWING = "following"
+    # Parked in HANDOFF_FAILED, waiting for an operator's replay or a cancel.
+    PARKED = "parked"
+
+
+class Carry(BaseModel):
+    """What a run hands to the next when it continues as new: the status users see (events
+    trimmed), the attempts, the budgets used, and where to pick the job up."""
+
+    phase: Phase
+    status: JobStatus
+    view: FederationView
+    cluster: str = ""
+    backend: str = ""
+    remote: ControllerJobStatus | None = None
+    pin: str | None = None
+    clusters: tuple[str, ...] = ()
+    queued: bool = False
+    local_steps: bool = True
+    sa_state: str | None = None
+    memo_reason: str | None = None
+    explanation: str | None = None
+    attempt: int = 1
+    failures_retried: int = 0
+    preemptions_retried: int = 0
+    maybe_on: tuple[str, str] | None = None
+    lost_after_s: float = 600.0
+    # How many runs came before this one.
+    runs: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +264,11 @@ class _Job:
     maybe_on: tuple[str, str] | None = None
     # How long a cluster running an attempt may stay silent before the attempt is lost.
     lost_after_s: float = 600.0
+    # Whether this run takes CONTINUE_PATCH's path, and how many runs came before it.
+    can_continue: bool = False
+    runs: int = 1
+    # The capacity view the job was classified with (a later attempt picks a backend with it).
+    view: FederationView | None = None
 
     @property
     def incarnation(self) -> str:
@@ -232,7 +289,10 @@ class _Job:
 @workflow.defn(name=contract.JOB_WORKFLOW)
 class JobWorkflow:
     @workflow.init
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, carry: Carry | None = None) -> None:
+        # A start carries one payload (the spec) for two parameters, and the SDK then decodes it
+        # without the type hints: as a plain dict. A continued run's two payloads are typed.
+        spec = JobSpec.model_validate(spec)
         # Built here, not in run(): a query, signal or Update can arrive in the very first task,
         # before run() starts (e.g. a cancel right after submit).
         status = JobStatus(
@@ -244,6 +304,27 @@ class JobWorkflow:
             spec=spec,
         )
         self._job = _Job(spec=spec, status=status)
+        if carry is not None:
+            self._job = _Job(
+                spec=spec,
+                status=carry.status,
+                explanation=carry.explanation,
+                queued=carry.queued,
+                delivered=carry.phase is not Phase.QUEUED or carry.status.handoff_attempts > 0,
+                pin=carry.pin,
+                clusters=list(carry.clusters),
+                local_steps=carry.local_steps,
+                sa_state=carry.sa_state,
+                memo_reason=carry.memo_reason,
+                attempt=carry.attempt,
+                failures_retried=carry.failures_retried,
+                preemptions_retried=carry.preemptions_retried,
+                maybe_on=carry.maybe_on,
+                lost_after_s=carry.lost_after_s,
+                can_continue=True,
+                runs=carry.runs + 1,
+                view=carry.view,
+            )
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -425,16 +506,18 @@ class JobWorkflow:
     # ---- the lifecycle --------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, spec: JobSpec) -> JobStatus:
+    async def run(self, spec: JobSpec, carry: Carry | None = None) -> JobStatus:
         job = self._job
-        job.local_steps = workflow.patched(LOCAL_STEPS_PATCH)
-        if job.local_steps:
-            job.sa_state = JobState.CLASSIFYING.value  # set by the client at start
-        self._event(JobState.CLASSIFYING, job.status.reason)
-        self._set(JobState.CLASSIFYING, job.status.reason)
+        if carry is None:
+            job.local_steps = workflow.patched(LOCAL_STEPS_PATCH)
+            if job.local_steps:
+                job.sa_state = JobState.CLASSIFYING.value  # set by the client at start
+            self._event(JobState.CLASSIFYING, job.status.reason)
+            self._set(JobState.CLASSIFYING, job.status.reason)
+            job.can_continue = workflow.patched(CONTINUE_PATCH)
         try:
             try:
-                await self._lifecycle()
+                await (self._lifecycle() if carry is None else self._resume(carry))
             except (asyncio.CancelledError, ActivityError) as exc:
                 # Temporal's own cancel converges on the same path as the signal and the update.
                 # It surfaces as CancelledError, or as ActivityError(CancelledError) from the
@@ -466,6 +549,80 @@ class JobWorkflow:
         backend = placement.backend_id or self._backend_for(view, placement.peer_id)
         await self._deliver(view, placement.peer_id, backend)
 
+    async def _resume(self, carry: Carry) -> None:
+        """Pick the job up where the run that continued as new left it."""
+        view = carry.view
+        if carry.phase is Phase.QUEUED:
+            placement = await self._await_promotion()
+            backend = placement.backend_id or self._backend_for(view, placement.peer_id)
+            await self._deliver(view, placement.peer_id, backend)
+        elif carry.phase is Phase.FOLLOWING:
+            assert carry.remote is not None
+            await self._deliver(view, carry.cluster, carry.backend, following=carry.remote)
+        else:
+            await self._deliver(view, carry.cluster, carry.backend, parked=carry.status.reason)
+
+    def _continue_due(self) -> bool:
+        """Whether this run's history is long enough to continue as new (at a quiet point)."""
+        job = self._job
+        if not job.can_continue:
+            return False
+        info = workflow.info()
+        long = info.get_current_history_length() >= _CONTINUE_AFTER_EVENTS
+        return long or info.is_continue_as_new_suggested()
+
+    def _quiet(self) -> bool:
+        job = self._job
+        return job.cancel is None and job.placement is None and job.replay is None and not job.expire
+
+    async def _continue_as_new(
+        self,
+        phase: Phase,
+        *,
+        cluster: str = "",
+        backend: str = "",
+        remote: ControllerJobStatus | None = None,
+    ) -> None:
+        """Continue as new if due and nothing is pending; returns (doing nothing) otherwise."""
+        if not self._continue_due():
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if not self._quiet():
+            return
+        job = self._job
+        assert job.view is not None
+        st = job.status.model_copy()
+        if len(st.events) > _EVENTS_HEAD + _EVENTS_TAIL:
+            dropped = len(st.events) - _EVENTS_HEAD - _EVENTS_TAIL
+            marker = JobEvent(
+                at_ms=st.events[_EVENTS_HEAD].at_ms,
+                state=st.events[_EVENTS_HEAD].state,
+                message=f"({dropped} events omitted)",
+            )
+            st.events = [*st.events[:_EVENTS_HEAD], marker, *st.events[-_EVENTS_TAIL:]]
+        carry = Carry(
+            phase=phase,
+            status=st,
+            view=job.view,
+            cluster=cluster,
+            backend=backend,
+            remote=remote,
+            pin=job.pin,
+            clusters=tuple(job.clusters),
+            queued=job.queued,
+            local_steps=job.local_steps,
+            sa_state=job.sa_state,
+            memo_reason=job.memo_reason,
+            explanation=job.explanation,
+            attempt=job.attempt,
+            failures_retried=job.failures_retried,
+            preemptions_retried=job.preemptions_retried,
+            maybe_on=job.maybe_on,
+            lost_after_s=job.lost_after_s,
+            runs=job.runs,
+        )
+        workflow.continue_as_new(args=[job.spec, carry])
+
     async def _classify(self) -> tuple[FederationView, Classification]:
         """CLASSIFYING: home now, the queue, or rejected (docs/DESIGN.md, "Classification")."""
         job = self._job
@@ -487,6 +644,7 @@ class JobWorkflow:
             configured=view.configured,
         )
         job.clusters = [r.peer_id for r in view.reports]
+        job.view = view
         job.lost_after_s = view.peer_lost_after_s
         job.status.disposition = decision.disposition.value
         job.status.classification_reason = decision.reason
@@ -534,15 +692,19 @@ class JobWorkflow:
         """The tick's (or an operator's) placement; a cancel or the deadline ends the job instead."""
         job = self._job
         deadline_ms = job.spec.shape().deadline_ms
-        timeout = None
-        if deadline_ms is not None:
-            timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
-        try:
-            await workflow.wait_condition(
-                lambda: job.placement is not None or job.cancel is not None or job.expire, timeout=timeout
-            )
-        except TimeoutError:
-            job.expire = True
+        while True:
+            timeout = None
+            if deadline_ms is not None:
+                timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
+            try:
+                await workflow.wait_condition(
+                    lambda: not self._quiet() or self._continue_due(), timeout=timeout
+                )
+            except TimeoutError:
+                job.expire = True
+            if not self._quiet():
+                break
+            await self._continue_as_new(Phase.QUEUED)
         if job.cancel is not None:
             await self._cancel_queued()
         if job.expire:
@@ -605,17 +767,31 @@ class JobWorkflow:
 
     # ---- the handoff ----------------------------------------------------------------------
 
-    async def _deliver(self, view: FederationView, cluster: str, backend: str) -> None:
+    async def _deliver(
+        self,
+        view: FederationView,
+        cluster: str,
+        backend: str,
+        *,
+        following: ControllerJobStatus | None = None,
+        parked: str | None = None,
+    ) -> None:
         """Attempts until the job ends: hand off to ``cluster`` and follow it there; a parked
         handoff waits for an operator's replay or a cancel (docs/DESIGN.md, "Errors, retries and
         parking"); an attempt that failed or that its cluster lost is followed by another while the
         job has retries left (docs/DESIGN.md, "Attempts")."""
         while True:
             try:
-                remote = await self._hand_off(view, cluster, backend)
-            except _Parked as parked:
+                if following is not None:
+                    remote, following = following, None
+                elif parked is not None:
+                    reason, parked = parked, None
+                    raise _Parked(reason, resumed=True)
+                else:
+                    remote = await self._hand_off(view, cluster, backend)
+            except _Parked as stopped:
                 try:
-                    replay = await self._park(parked.reason)
+                    replay = await self._park(stopped, cluster, backend)
                 except _Adopted as adopted:
                     cluster, remote = adopted.cluster, adopted.remote
                 else:
@@ -798,14 +974,15 @@ class JobWorkflow:
             raise _Parked(cause.message)
         raise _Parked(f"{parked}: {cause or exc}")
 
-    async def _park(self, reason: str) -> ReplayRequest:
+    async def _park(self, parked: _Parked, cluster: str, backend: str) -> ReplayRequest:
         """HANDOFF_FAILED waits for an operator's replay or a cancel; never dropped silently. While
         the last launch's outcome is unknown, its cluster is asked again and again: the cluster,
         not a guess, says whether the job started there (``_Adopted`` if it did)."""
         job = self._job
-        self._set(JobState.HANDOFF_FAILED, reason)
-        if job.queued:
-            await self._handle_state(HandleState.HANDOFF_FAILED, reason)
+        if not parked.resumed:
+            self._set(JobState.HANDOFF_FAILED, parked.reason)
+            if job.queued:
+                await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason)
         probe_in = _PROBE_FIRST
         while True:
             try:
@@ -816,6 +993,7 @@ class JobWorkflow:
             except TimeoutError:
                 await self._probe_parked()
                 probe_in = min(probe_in * 2, _PROBE_MAX)
+                await self._continue_as_new(Phase.PARKED, cluster=cluster, backend=backend)
                 continue
             break
         if job.cancel is not None:
@@ -966,8 +1144,9 @@ class JobWorkflow:
                     known_state=remote.state.value,
                     log_key=log_key(job.spec.job_id, job.attempt),
                     report_unreachable_s=report_s,
+                    max_wait_s=_FOLLOW_MAX_WAIT.total_seconds(),
                 ),
-                start_to_close_timeout=timedelta(minutes=15),
+                start_to_close_timeout=_FOLLOW_MAX_WAIT + timedelta(minutes=5),
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=_MIRROR_RETRY,
             )
@@ -995,13 +1174,16 @@ class JobWorkflow:
                 # Asked again after a pause: a cluster that refuses at once costs a timer, not a loop.
                 with contextlib.suppress(TimeoutError):
                     await workflow.wait_condition(
-                        lambda: job.cancel is not None and not terminated,
+                        functools.partial(self._cancel_unsent, terminated),
                         timeout=timedelta(seconds=min(report_s, job.lost_after_s - silent_s)),
                     )
                 continue
             silent_since = None
             remote = followed.status
             self._apply(remote)
+            if not remote.terminal and not terminated:
+                backend = job.status.backend_id or ""
+                await self._continue_as_new(Phase.FOLLOWING, cluster=cluster, backend=backend, remote=remote)
         end = attempt_end(remote.state, remote.error)
         if job.cancel is not None and remote.state is ControllerJobState.KILLED:
             self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
@@ -1102,7 +1284,11 @@ class JobWorkflow:
             self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
-        return handle.done() or (self._job.cancel is not None and not terminated)
+        return handle.done() or self._cancel_unsent(terminated)
+
+    def _cancel_unsent(self, terminated: bool) -> bool:
+        """A cancel the attempt's cluster has not been told of yet."""
+        return self._job.cancel is not None and not terminated
 
     async def _terminate(self, cluster: str, nonce: str | None = None) -> bool:
         """Terminate the attempt on ``cluster`` and wait until the cluster confirms it ended (or

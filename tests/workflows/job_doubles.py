@@ -217,6 +217,9 @@ class FakeFederation:
     # Clusters that do not answer at all (a partition, or a cluster lost for good): every call to
     # them fails as an outage; follow_job reports them silent.
     silent: set[str] = field(default_factory=set)
+    # follow_job answers at once with the unchanged status, as the real one does after max_wait_s
+    # (ten minutes) without a change: one answer stands for ten minutes of a long run.
+    follow_unchanged: bool = False
 
     # ---- recorded ----
     enqueued: list[EnqueueInput] = field(default_factory=list)
@@ -459,7 +462,7 @@ class FakeFederation:
         current = self.remote.get(key)
         if current is None or (inp.nonce is not None and current.nonce != inp.nonce):
             return FollowResult(gone=True, error=f"{inp.cluster} no longer knows job {inp.job_id}")
-        if inp.known_state is None or current.terminal:
+        if inp.known_state is None or current.terminal or self.follow_unchanged:
             return FollowResult(status=self._reported(key, current))
         if self.mirror:
             step = self.mirror.pop(0)
