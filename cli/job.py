@@ -8,14 +8,15 @@ import datetime as dt
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from cli import common
-from iris.client import IrisError, prepare_submission
-from iris.jobs import JobState, JobStatus
+from iris.client import IrisError, attempt_number, latest_attempt, prepare_submission
+from iris.jobs import MAX_RETRIES, MAX_TIMEOUT_S, AttemptView, JobState, JobStatus
 
 job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
 
@@ -39,6 +40,12 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows as left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
 def _parse_env(items: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in items:
@@ -49,7 +56,8 @@ def _parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def _parse_duration(text: str | None) -> float | None:
+def _parse_duration(text: str | None, flag: str) -> float | None:
+    """``90s``, ``10m``, ``2h``, ``1d`` or plain seconds; the range is build_spec's to check."""
     if text is None:
         return None
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -59,7 +67,7 @@ def _parse_duration(text: str | None) -> float | None:
             return float(t[:-1]) * units[t[-1]]
         return float(t)
     except ValueError:
-        common.fail(f"invalid duration {text!r}: use e.g. 90s, 10m, 2h", common.EXIT_INVALID)
+        common.fail(f"invalid {flag} {text!r}: use e.g. 90s, 10m, 2h, 1d", common.EXIT_INVALID)
 
 
 @job_app.command("run", context_settings={"allow_interspersed_args": False})
@@ -89,6 +97,35 @@ def run_command(
     scheduling_timeout: Annotated[
         str | None, typer.Option("--scheduling-timeout", help="Give up if not placed within, e.g. 10m.")
     ] = None,
+    max_retries_failure: Annotated[
+        int,
+        typer.Option(
+            "--max-retries-failure",
+            metavar="N",
+            help="Run the job again, up to N more times, after an attempt that failed: a replica "
+            f"exited non-zero (0-{MAX_RETRIES}). A --timeout is never retried.",
+        ),
+    ] = 0,
+    max_retries_preemption: Annotated[
+        int,
+        typer.Option(
+            "--max-retries-preemption",
+            metavar="N",
+            help="Run the job again, up to N more times, after an attempt its cluster lost: the task "
+            "died with its worker (WORKER_FAILED), the cluster forgot it, or the cluster was silent "
+            f"past its peer_lost_after_s (0-{MAX_RETRIES}).",
+        ),
+    ] = 1,
+    timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--timeout",
+            metavar="DURATION",
+            help="Wall-clock limit on each attempt's running, e.g. 90m or 2h (at most "
+            f"{MAX_TIMEOUT_S / 86400:g}d): the cluster kills the job, which ends FAILED (timeout) and "
+            "is never retried.",
+        ),
+    ] = None,
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job name (id = user/name).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="Print the job id and return.")] = False,
     workdir: Annotated[
@@ -113,6 +150,10 @@ def run_command(
     A first argument ending in .py runs as `python FILE`, the first python on the running cluster's PATH.
 
     Name an interpreter to choose another: `python3.12 train.py`. --no-workdir ships nothing.
+
+    Each delivery of the job to a cluster is an attempt: one that failed runs again only within
+    --max-retries-failure (default 0), one its cluster lost within --max-retries-preemption
+    (default 1); `iris job describe` lists them, `iris job logs --attempt N` prints one's output.
     """
     try:
         spec, bundle = prepare_submission(
@@ -130,7 +171,10 @@ def run_command(
             preemptible=preemptible,
             artifacts=artifact or [],
             env=_parse_env(env or []),
-            scheduling_timeout_s=_parse_duration(scheduling_timeout),
+            scheduling_timeout_s=_parse_duration(scheduling_timeout, "--scheduling-timeout"),
+            max_retries_failure=max_retries_failure,
+            max_retries_preemption=max_retries_preemption,
+            timeout_s=_parse_duration(timeout, "--timeout"),
         )
     except IrisError as exc:
         common.fail(str(exc), exc.exit_code)
@@ -207,9 +251,8 @@ def list_command(
             )
             for r in rows
         ]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        for row in table:
-            typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        for line in _table(table):
+            typer.echo(line)
 
     common.run(go())
 
@@ -250,6 +293,9 @@ def describe_command(
             lines.append(f"Error:          {st.error}")
         if st.handoff_attempts:
             lines.append(f"Handoffs:       {st.handoff_attempts}")
+        if st.attempts:
+            lines.append("Attempts:")
+            lines += [f"  {row}" for row in _attempt_rows(st.attempts)]
         if st.tasks:
             lines.append("Tasks:")
             for t in st.tasks:
@@ -259,33 +305,68 @@ def describe_command(
         lines.append("Events:")
         lines += [f"  {_clock(e.at_ms)}  {e.state.value:<16} {e.message}" for e in st.events]
         if st.cluster is not None:
+            latest = latest_attempt(st)
             with contextlib.suppress(IrisError):
-                tail = (await client.logs(job_id)).data.splitlines()[-10:]
+                tail = (await client.logs(job_id, attempt=latest)).data.splitlines()[-10:]
                 if tail:
-                    lines.append("Log tail:")
+                    lines.append("Log tail:" if latest == 1 else f"Log tail (attempt {latest}):")
                     lines += [f"  {line}" for line in tail]
         typer.echo("\n".join(lines))
 
     common.run(go())
 
 
+def _attempt_rows(attempts: list[AttemptView]) -> list[str]:
+    """The attempts as an aligned table: number, cluster, start and end times, end, exit, reason."""
+    header = ("#", "CLUSTER", "STARTED", "ENDED", "END", "EXIT", "REASON")
+    table = [header] + [
+        (
+            str(a.number),
+            a.cluster,
+            _clock(a.started_ms),
+            _clock(a.ended_ms) if a.ended_ms is not None else "-",
+            a.end or "-",
+            str(a.exit_code) if a.exit_code is not None else "-",
+            a.reason or "-",
+        )
+        for a in attempts
+    ]
+    return _table(table)
+
+
 @job_app.command("logs")
 def logs_command(
     job_id: Annotated[str, typer.Argument(help="The job id.")],
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow", "-f", help="Stream until the job ends (through later attempts, without --attempt)."
+        ),
+    ] = False,
+    attempt: Annotated[
+        int | None,
+        typer.Option(
+            "--attempt",
+            metavar="N",
+            help="The output of attempt N (as `iris job describe` numbers them); default: the latest.",
+        ),
+    ] = None,
 ) -> None:
-    """Print a job's output (stdout and stderr), relayed home from wherever it ran."""
+    """Print a job's output (stdout and stderr) of its latest attempt, relayed home from wherever
+    it ran; --attempt N for an earlier one."""
 
     async def go() -> None:
         client = await common.client()
         if follow:
-            async for data in client.follow_logs(job_id):
+            async for data in client.follow_logs(job_id, attempt=attempt):
                 sys.stdout.write(data)
                 sys.stdout.flush()
             return
+        # One attempt throughout (offsets are per attempt), even if a later one starts meanwhile.
+        number = attempt_number(await client.describe(job_id), attempt)
         offset = 0
         while True:
-            chunk = await client.logs(job_id, offset)
+            chunk = await client.logs(job_id, offset, attempt=number)
             sys.stdout.write(chunk.data)
             if not chunk.data or chunk.next_offset == offset:
                 break

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import getpass
+import math
 import os
 import re
 import secrets
@@ -37,7 +38,7 @@ from temporalio.client import (
     WorkflowUpdateFailedError,
 )
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
-from temporalio.exceptions import WorkflowAlreadyStartedError
+from temporalio.exceptions import FailureError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
@@ -56,15 +57,18 @@ from iris.contract import (
 from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
 from iris.controller.models import MAX_COMMAND_ARGS, MAX_USER_CHARS, LogChunk, validate_job_id
 from iris.jobs import (
+    MAX_RETRIES,
+    MAX_TIMEOUT_S,
     CancelOutcome,
     CancelRequest,
     JobSpec,
     JobState,
     JobStatus,
     ReplayRequest,
+    log_key,
     start_search_attributes,
 )
-from iris.logrelay import LogRelay
+from iris.logrelay import LogRelay, RelayedChunk
 from iris.objectstore import StoreError, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
@@ -174,9 +178,18 @@ def build_spec(
     artifacts: Sequence[str] = (),
     env: dict[str, str] | None = None,
     scheduling_timeout_s: float | None = None,
+    max_retries_failure: int = 0,
+    max_retries_preemption: int = 1,
+    timeout_s: float | None = None,
     bundle: BundleRef | None = None,
 ) -> JobSpec:
     """Validate user input into a JobSpec; raise InvalidJob with a one-line message.
+
+    ``max_retries_failure``: how many more attempts after one that failed (a replica exited
+    non-zero); ``max_retries_preemption``: after one its cluster lost (the task died with its
+    worker, WORKER_FAILED, the cluster forgot it, or it was silent past peer_lost_after_s);
+    ``timeout_s``: a wall-clock limit on each attempt's running, after which its cluster kills it
+    and the job ends FAILED ("timeout"), never retried (docs/DESIGN.md, "Attempts").
 
     A command whose first argument is a Python file (``train.py``) runs as ``python train.py``: the
     ``python`` found first on the PATH of the cluster that runs the job (its controller's
@@ -258,6 +271,21 @@ def build_spec(
         or not (0 < scheduling_timeout_s <= 30 * 86400)
     ):
         raise InvalidJob("scheduling timeout must be between 1s and 30 days")
+    for flag, retries in (
+        ("--max-retries-failure", max_retries_failure),
+        ("--max-retries-preemption", max_retries_preemption),
+    ):
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
+            raise InvalidJob(f"{flag} must be a whole number from 0 to {MAX_RETRIES}, got {retries!r:.40}")
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not (0 < timeout_s <= MAX_TIMEOUT_S)
+    ):
+        finite = isinstance(timeout_s, int | float) and math.isfinite(timeout_s)
+        got = f"{timeout_s:g}s" if finite else f"{timeout_s!r:.40}"
+        days = f"{MAX_TIMEOUT_S / 86400:g} days"
+        raise InvalidJob(f"--timeout must be more than 0s and at most {days}, got {got}")
     job_id = f"{_user_prefix(who)}/{job_name}"
     try:
         validate_job_id(job_id)
@@ -277,6 +305,9 @@ def build_spec(
         scheduling_timeout_s=scheduling_timeout_s,
         submit_ms=int(time.time() * 1000),
         bundle=bundle,
+        max_retries_failure=max_retries_failure,
+        max_retries_preemption=max_retries_preemption,
+        timeout_s=None if timeout_s is None else float(timeout_s),
     )
 
 
@@ -356,6 +387,14 @@ async def execute_update(
         await asyncio.sleep(delay)
         attempt += 1
         delay = min(delay * 2, UPDATE_RETRY_MAX_S)
+
+
+def update_refusal(exc: WorkflowUpdateFailedError) -> str:
+    """The one line an Update's refusal (its validator's, or its handler's error) says: the
+    workflow's own message, without the failure's error type (``ValueError: ...``)."""
+    cause = exc.cause
+    text = cause.message if isinstance(cause, FailureError) else str(cause or exc)
+    return " ".join(text.split()) or "the workflow refused the update"
 
 
 def _quote(value: str) -> str:
@@ -456,7 +495,8 @@ class AsyncIrisClient:
     ) -> str:
         """Submit a job; returns its id. ``script`` is shorthand for ``[script]`` (run with
         ``python``). The job runs in a copy of ``workdir`` (default: the current directory; None
-        ships nothing), bundled as ``iris job run`` does; ``kw`` are ``build_spec``'s options."""
+        ships nothing), bundled as ``iris job run`` does; ``kw`` are ``build_spec``'s options (e.g.
+        ``gpu_count``, ``max_retries_failure``, ``max_retries_preemption``, ``timeout_s``)."""
         if command is None and script is not None:
             command = [script]
         spec, bundle = await asyncio.to_thread(prepare_submission, command or [], workdir=workdir, **kw)
@@ -508,7 +548,13 @@ class AsyncIrisClient:
         return view
 
     async def replay_handoff(
-        self, job_id: str, *, peer: str | None = None, requeue: bool = False, reason: str = "operator replay"
+        self,
+        job_id: str,
+        *,
+        peer: str | None = None,
+        requeue: bool = False,
+        reason: str = "operator replay",
+        force: bool = False,
     ) -> str:
         """Operator: re-run the artifact check and handoff of a job whose handoff failed
         (docs/DESIGN.md, "Replaying a failed handoff").
@@ -516,6 +562,10 @@ class AsyncIrisClient:
         A job parked in HANDOFF_FAILED is replayed in place (same cluster, ``peer``, or back to the
         queue). A closed HANDOFF_REJECTED run is reset to just before its handoff, which then runs
         again, recorded in the job's history. Anything else is refused with the reason.
+
+        A replay elsewhere (``peer`` or ``requeue``) is refused while the cluster of the last launch
+        may still run the job (its answer never came) unless ``force``: that attempt is then fenced,
+        i.e. terminated there as soon as the cluster answers; until then the job may run twice.
         """
         if peer is not None and requeue:
             raise InvalidJob("choose --peer or --requeue, not both")
@@ -542,11 +592,11 @@ class AsyncIrisClient:
                 message = await execute_update(
                     handle,
                     JobWorkflow.replay_handoff,
-                    ReplayRequest(peer=peer, requeue=requeue, reason=reason),
+                    ReplayRequest(peer=peer, requeue=requeue, reason=reason, force=force),
                     str,
                 )
             except WorkflowUpdateFailedError as exc:
-                raise InvalidJob(str(exc.cause or exc)) from None
+                raise InvalidJob(update_refusal(exc)) from None
             except RPCError as exc:
                 if exc.status == RPCStatusCode.NOT_FOUND:
                     raise InvalidJob(f"job {job_id} ended while the replay was being sent") from None
@@ -644,39 +694,86 @@ class AsyncIrisClient:
                 raise TimeoutError(f"job {job_id} still {status.state.value} after {timeout_s}s")
             await asyncio.sleep(poll_interval_s)
 
-    async def logs(self, job_id: str, offset: int = 0) -> LogChunk:
-        """The job's output from ``offset`` on, from the home cluster's relayed copy
-        (docs/DESIGN.md, "Logs").
-
-        Works wherever the job ran, and after the peer has forgotten it; ``eof`` once the job has
-        ended and everything was read.
-        """
-        status = await self.describe(job_id)
+    async def _read_relay(self, job_id: str, attempt: int, offset: int) -> RelayedChunk:
         if self._relay is None:
             self._relay = LogRelay(self.config)
         try:
-            chunk = await asyncio.to_thread(self._relay.read, job_id, offset)
+            return await asyncio.to_thread(self._relay.read, log_key(job_id, attempt), offset)
         except Exception as exc:  # the object store's own errors vary by client library
             raise Unavailable(f"cannot read logs of {job_id}: {exc}") from None
+
+    async def logs(self, job_id: str, offset: int = 0, *, attempt: int | None = None) -> LogChunk:
+        """The output of one attempt of the job (default: the latest) from ``offset`` on, from the
+        home cluster's relayed copy (docs/DESIGN.md, "Logs"); offsets are per attempt.
+
+        Works wherever the job ran, and after the peer has forgotten it; ``eof`` once the attempt
+        (or the job) has ended and everything was read.
+        """
+        status = await self.describe(job_id)
+        number = attempt_number(status, attempt)
+        chunk = await self._read_relay(job_id, number, offset)
         return LogChunk(
             data=chunk.data,
             offset=offset,
             next_offset=chunk.next_offset,
-            eof=status.terminal and not chunk.data,
+            eof=attempt_ended(status, number) and not chunk.data,
         )
 
-    async def follow_logs(self, job_id: str, *, poll_interval_s: float = 0.25) -> AsyncIterator[str]:
-        """Yield the job's output as it is written, until the job ends and everything was read."""
+    async def follow_logs(
+        self, job_id: str, *, attempt: int | None = None, poll_interval_s: float = 0.25
+    ) -> AsyncIterator[str]:
+        """Yield the job's output as it is written, until the job ends and everything was read.
+
+        Without ``attempt``: from the latest attempt on, then each later one as it starts (a
+        retried job's output goes on in its next attempt). With ``attempt``: that attempt's output,
+        until it ends.
+        """
+        number: int | None = None
         offset = 0
         while True:
-            chunk = await self.logs(job_id, offset)
+            # The status is read before the log: an attempt seen ended has all its output relayed.
+            status = await self.describe(job_id)
+            if number is None:
+                number = attempt_number(status, attempt)
+            chunk = await self._read_relay(job_id, number, offset)
             if chunk.data:
                 yield chunk.data
-            offset = chunk.next_offset
-            if chunk.eof:
-                return
-            if not chunk.data:
-                await asyncio.sleep(poll_interval_s)
+                offset = chunk.next_offset
+                continue
+            if attempt_ended(status, number):
+                later = [a.number for a in status.attempts if a.number > number]
+                if attempt is None and later:
+                    number, offset = min(later), 0
+                    continue
+                if attempt is not None or status.terminal:
+                    return
+            await asyncio.sleep(poll_interval_s)
+
+
+def latest_attempt(status: JobStatus) -> int:
+    """The number of the job's latest attempt (1 before any delivery)."""
+    return max((a.number for a in status.attempts), default=1)
+
+
+def attempt_ended(status: JobStatus, number: int) -> bool:
+    """Whether attempt ``number`` of the job has ended (its output is then all relayed home)."""
+    if status.terminal:
+        return True
+    entries = [a for a in status.attempts if a.number == number]
+    return bool(entries) and entries[-1].end is not None
+
+
+def attempt_number(status: JobStatus, attempt: int | None) -> int:
+    """``attempt`` checked against the job's attempts, or the latest one if None."""
+    latest = latest_attempt(status)
+    if attempt is None:
+        return latest
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise InvalidJob(f"--attempt must be a whole number from 1, got {attempt!r:.40}")
+    if attempt > latest:
+        has = "1" if latest == 1 else f"1-{latest}"
+        raise InvalidJob(f"job {status.job_id} has no attempt {attempt} (its attempts: {has})")
+    return attempt
 
 
 class IrisClient:
@@ -732,17 +829,27 @@ class IrisClient:
     def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
         return self._run(self._async.wait(job_id, timeout_s=timeout_s))
 
-    def logs(self, job_id: str, offset: int = 0) -> LogChunk:
-        return self._run(self._async.logs(job_id, offset))
+    def logs(self, job_id: str, offset: int = 0, *, attempt: int | None = None) -> LogChunk:
+        return self._run(self._async.logs(job_id, offset, attempt=attempt))
 
     def peers(self) -> FederationView:
         return self._run(self._async.peers())
 
-    def replay_handoff(self, job_id: str, *, peer: str | None = None, requeue: bool = False) -> str:
-        return self._run(self._async.replay_handoff(job_id, peer=peer, requeue=requeue))
+    def replay_handoff(
+        self,
+        job_id: str,
+        *,
+        peer: str | None = None,
+        requeue: bool = False,
+        reason: str = "operator replay",
+        force: bool = False,
+    ) -> str:
+        return self._run(
+            self._async.replay_handoff(job_id, peer=peer, requeue=requeue, reason=reason, force=force)
+        )
 
-    def iter_logs(self, job_id: str) -> Iterator[str]:
-        agen = self._async.follow_logs(job_id)
+    def iter_logs(self, job_id: str, *, attempt: int | None = None) -> Iterator[str]:
+        agen = self._async.follow_logs(job_id, attempt=attempt)
 
         async def step() -> str | None:
             try:
