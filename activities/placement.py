@@ -32,6 +32,9 @@ ABANDONED = "its workflow closed without ending the job (e.g. terminated from th
 ABANDONING_STATUSES = ("Terminated", "Failed", "TimedOut", "Canceled")
 # Each look at closed workflows starts a little before the last one ended (visibility lags).
 RECONCILE_OVERLAP_S = 120.0
+# Closed runs whose job still has a live handle checked per look (a describe and a store write
+# each); more wait for the next look, so a mass termination never stalls the tick.
+RECONCILE_PER_LOOK = 100
 FENCES_PER_TICK = 50
 # The tick heartbeats this often; the manager's heartbeat timeout (a few of these) is how soon a
 # tick lost with its worker is retried, instead of after the whole start-to-close timeout.
@@ -110,6 +113,9 @@ class PlacementActivities:
         self._reconcile_every_s = reconcile_every_s
         self._reconciled_at = 0.0
         self._reconciled_to = time.time() - 24 * 3600
+        # Closed runs already dealt with, (workflow id, run id) -> close time: the overlap lists them
+        # again, and they are skipped until they fall out of the window.
+        self._reconciled_runs: dict[tuple[str, str], float] = {}
 
     def _outstanding(self, queued: list[str]) -> dict[str, Placement]:
         """Offers still awaiting their job's answer; answered (no longer queued) or lapsed ones go."""
@@ -122,7 +128,8 @@ class PlacementActivities:
         }
         return {job_id: p for job_id, (_, p) in self._offers.items()}
 
-    async def _signal(self, job_id: str, name: str, arg: object) -> None:
+    async def _signal(self, job_id: str, name: str, arg: object) -> bool:
+        """Signal the job's workflow; True if it had closed and its live handle was abandoned."""
         handle = activity.client().get_workflow_handle(contract.job_workflow_id(job_id))
         try:
             await (handle.signal(name) if arg is None else handle.signal(name, arg))
@@ -130,39 +137,60 @@ class PlacementActivities:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 # Its workflow has closed without ending its handle (terminated from the Web UI,
                 # say): the handle would be offered capacity first at every tick, for ever.
-                await asyncio.to_thread(self._store.abandon, job_id, ABANDONED)
-                activity.logger.info("job %s: its workflow has closed; its handle is abandoned", job_id)
-            else:
-                activity.logger.info("signal %s to %s failed: %s", name, job_id, exc)
+                abandoned = await asyncio.to_thread(self._store.abandon, job_id, ABANDONED)
+                if abandoned:
+                    activity.logger.info("job %s: its workflow has closed; its handle is abandoned", job_id)
+                return abandoned
+            activity.logger.info("signal %s to %s failed: %s", name, job_id, exc)
+        return False
 
     async def _reconcile(self) -> int:
         """End the live handles of jobs whose workflow has closed (docs/DESIGN.md, "The tick"):
         queued handles are caught by their signal; promoted or handed-off ones hold a reservation
-        and are found by listing the job workflows closed since the last look."""
-        since = self._reconciled_to - RECONCILE_OVERLAP_S
+        and are found by listing the job workflows closed since the last look.
+
+        Each closed run is dealt with once: a run already seen is skipped while the overlap lists it
+        again, a job without a live handle costs nothing more, and at most ``RECONCILE_PER_LOOK``
+        runs are checked (described, abandoned) per look, the window moving on only when none is
+        left, so that thousands of jobs terminated at once never hold up the tick."""
         now = time.time()
         if now - self._reconciled_at < self._reconcile_every_s:
             return 0
+        since = self._reconciled_to - RECONCILE_OVERLAP_S
         stamp = datetime.fromtimestamp(since, UTC).isoformat().replace("+00:00", "Z")
         statuses = ", ".join(f"'{s}'" for s in ABANDONING_STATUSES)
         query = (
             f"WorkflowType = '{contract.JOB_WORKFLOW}' AND ExecutionStatus IN ({statuses})"
             f" AND CloseTime > '{stamp}'"
         )
-        closed: list[str] = []
+        fresh: dict[tuple[str, str], float] = {}
         try:
             async for wf in activity.client().list_workflows(query):
-                closed.append(wf.id)
+                key = (wf.id, wf.run_id)
+                if key not in self._reconciled_runs:
+                    fresh[key] = wf.close_time.timestamp() if wf.close_time is not None else now
         except RPCError as exc:
             activity.logger.warning("reconcile: cannot list closed jobs: %s", exc.message)
             return 0
-        abandoned = 0
-        for job_id in closed:  # a handle already ended (or none) is left as it is
-            if await self._runs(job_id):
-                continue  # a later run of the job (a reset) owns the handle now
-            abandoned += await asyncio.to_thread(self._store.abandon, job_id, ABANDONED)
+        live = await asyncio.to_thread(self._store.live_jobs, sorted({wf_id for wf_id, _ in fresh}))
+        abandoned = checked = 0
+        complete = True
+        for (wf_id, run_id), closed_at in fresh.items():
+            if wf_id in live:  # a handle already ended (or none) is left as it is
+                if checked >= RECONCILE_PER_LOOK:
+                    complete = False
+                    continue
+                checked += 1
+                # Unless a later run of the job (a reset) owns the handle now.
+                if not await self._runs(wf_id):
+                    abandoned += await asyncio.to_thread(self._store.abandon, wf_id, ABANDONED)
+                    live.discard(wf_id)
+            self._reconciled_runs[(wf_id, run_id)] = closed_at
         self._reconciled_at = now
-        self._reconciled_to = now
+        if complete:
+            self._reconciled_to = now
+        horizon = self._reconciled_to - RECONCILE_OVERLAP_S
+        self._reconciled_runs = {k: t for k, t in self._reconciled_runs.items() if t > horizon}
         return abandoned
 
     async def _runs(self, job_id: str) -> bool:
@@ -238,8 +266,8 @@ class PlacementActivities:
         ]
         sends += [(p.job_id, contract.PLACE, p) for p in result.placements]
         sends += [(j, contract.EXPLAIN, reasons[j]) for j in changed]
-        await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
-        abandoned = await self._reconcile()
+        gone = await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
+        abandoned = sum(gone) + await self._reconcile()
         fenced = await self._fence(view)
         return TickOutcome(
             abandoned=abandoned,

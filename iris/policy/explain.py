@@ -59,34 +59,54 @@ def no_shape_message(
     return "no single backend with " + ", ".join(c.describe() for c in constraints)
 
 
-def _peers(peer_ids: Sequence[str]) -> str:
-    return ", ".join(peer_ids) if len(peer_ids) <= 3 else f"{len(peer_ids)} peers"
+def _peers(peer_ids: Iterable[str]) -> str:
+    # Sorted: the same peers read the same whatever order their verdicts were grouped in.
+    ids = sorted(set(peer_ids))
+    return ", ".join(ids) if len(ids) <= 3 else f"{len(ids)} peers"
+
+
+# The order of a summary's parts: fixed, so the same verdicts always read the same.
+_SUMMARY_ORDER = (
+    WaitKind.FULL,
+    WaitKind.PER_TICK_CAP,
+    WaitKind.NO_SHAPE,
+    WaitKind.UNREACHABLE,
+    WaitKind.STALE,
+    WaitKind.UNKNOWN_PEER,
+)
 
 
 def summarize(pinned: str | None, verdicts: Sequence[PeerVerdict]) -> str:
+    """The pending reason the tick stores and signals to the job (docs/DESIGN.md, "The tick").
+
+    A function of the situation's substance only: which peers wait for what, and the job's need.
+    Nothing that moves while the verdict stands (free counts, the best amount available, queue
+    positions, times, a peer's error text) is in it, so a job waiting while capacity fluctuates
+    gets one summary and one ``explain`` signal; those details stay in the verdicts.
+    """
     base = queued_for_peer_reason(pinned) if pinned else QUEUED_REASON
     by_kind: dict[WaitKind, list[PeerVerdict]] = {}
     for v in verdicts:
         by_kind.setdefault(v.kind, []).append(v)
     parts: list[str] = []
-    for kind, vs in by_kind.items():
-        ids = [p for v in vs for p in v.peer_ids]
+    for kind in _SUMMARY_ORDER:
+        vs = by_kind.get(kind)
+        if not vs:
+            continue
+        peers = _peers(p for v in vs for p in v.peer_ids)
         if kind is WaitKind.FULL:
-            first = vs[0]
-            best = max(v.available or 0 for v in vs)
-            parts.append(
-                f"full on {_peers(ids)} (needs {first.needed} {first.token}, at most {best} available)"
-            )
+            # One job's FULL verdicts share its token and need; only what is available differs.
+            parts.append(f"full on {peers} (needs {vs[0].needed} {vs[0].token})")
         elif kind is WaitKind.PER_TICK_CAP:
-            parts.append(f"per-tick cap reached on {_peers(ids)}")
+            parts.append(f"per-tick cap reached on {peers}")
         elif kind is WaitKind.NO_SHAPE:
-            parts.append(f"no matching backend on {_peers(ids)}")
+            parts.append(f"no matching backend on {peers}")
         elif kind is WaitKind.UNREACHABLE:
-            parts.append(f"{_peers(ids)} unreachable")
+            parts.append(f"{peers} unreachable")
         elif kind is WaitKind.STALE:
-            parts.append(f"stale report from {_peers(ids)}")
+            parts.append(f"stale report from {peers}")
         else:
-            parts.append(f"unknown cluster {_peers(ids)}")
+            parts.append(f"unknown cluster {peers}")
     return f"{base}: {'; '.join(parts)}" if parts else base
 
 

@@ -285,6 +285,25 @@ class FederationStore:
 
         return self._run(body, write=False)
 
+    def live_jobs(self, job_ids: Iterable[str]) -> set[str]:
+        """Those of ``job_ids`` whose handle has not ended (queued, promoted, handed off, parked)."""
+        ids = sorted(set(job_ids))
+        live = [s.value for s in HandleState if not s.terminal]
+
+        def body(conn: Connection) -> set[str]:
+            found: set[str] = set()
+            for chunk in _chunks(ids):
+                found.update(
+                    conn.execute(
+                        select(job_handles.c.job_id).where(
+                            job_handles.c.job_id.in_(chunk), job_handles.c.state.in_(live)
+                        )
+                    ).scalars()
+                )
+            return found
+
+        return self._run(body, write=False) if ids else set()
+
     # ---- the compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)") --------------------------
 
     def promote(self, job_id: str, incarnation: str, placement: Placement, now_ms: int) -> PromoteResult:
@@ -634,7 +653,7 @@ class FederationStore:
                 for r in rows
             ]
 
-        return self._run(body)
+        return self._run(body, write=False)
 
     def remove_fence(self, job_id: str, nonce: str) -> None:
         t = fences_table

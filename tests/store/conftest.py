@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine
+from store_factories import Stores
 
 from iris.store import FederationStore
 
@@ -33,25 +33,6 @@ def postgres_admin() -> Iterator[Engine]:
         pytest.skip(f"PostgreSQL not reachable at {url}: {type(exc).__name__}: {exc}".splitlines()[0])
     yield engine
     engine.dispose()
-
-
-@dataclass
-class Stores:
-    """Opens any number of stores (think: workers) on one database."""
-
-    backend: str
-    url: str
-    schema: str | None = None
-    opened: list[FederationStore] = field(default_factory=list)
-
-    def open(self) -> FederationStore:
-        store = FederationStore(self.url, schema=self.schema)
-        self.opened.append(store)
-        return store
-
-    def close_all(self) -> None:
-        while self.opened:
-            self.opened.pop().close()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

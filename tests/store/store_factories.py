@@ -1,6 +1,10 @@
-"""One-line builders for the store tests: shapes, handles, reports and placements."""
+"""One-line builders for the store tests: shapes, handles, reports and placements; ``Stores``, which
+opens stores on one database (a module of its own name, not ``conftest``: another directory's
+conftest may hold that name when several test directories are collected together)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from iris.policy.models import (
     Availability,
@@ -12,7 +16,7 @@ from iris.policy.models import (
     PeerReport,
     Placement,
 )
-from iris.store import JobHandle
+from iris.store import FederationStore, JobHandle
 
 NOW = 1_000_000
 EPOCH = 990_000
@@ -94,3 +98,22 @@ def placement(
         reserved={"h100": need} if need else {},
         verified=bool(need),
     )
+
+
+@dataclass
+class Stores:
+    """Opens any number of stores (think: workers) on one database."""
+
+    backend: str
+    url: str
+    schema: str | None = None
+    opened: list[FederationStore] = field(default_factory=list)
+
+    def open(self) -> FederationStore:
+        store = FederationStore(self.url, schema=self.schema)
+        self.opened.append(store)
+        return store
+
+    def close_all(self) -> None:
+        while self.opened:
+            self.opened.pop().close()

@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Stores
-from store_factories import BACKEND, EPOCH, NOW, PEER, gpu_backend, handle, placement, report
+from store_factories import BACKEND, EPOCH, NOW, PEER, Stores, gpu_backend, handle, placement, report
 
 from iris.policy.models import BackendReport, Band, Reservation
 from iris.store import FederationStore, HandleState, PromoteOutcome, PromoteResult, StoreConflict

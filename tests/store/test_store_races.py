@@ -15,9 +15,8 @@ from typing import TypeVar
 
 import pytest
 from budget import scaled
-from conftest import Stores
 from sqlalchemy import create_engine, select
-from store_factories import EPOCH, NOW, PEER, gpu_backend, handle, placement, report
+from store_factories import EPOCH, NOW, PEER, Stores, gpu_backend, handle, placement, report
 
 from iris.store import CancelResult, HandleState, PromoteOutcome, PromoteResult
 from iris.store.schema import peer_reports, reservations

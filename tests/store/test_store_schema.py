@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Stores
 from sqlalchemy import Connection, create_engine
-from store_factories import EPOCH, NOW, PEER, gpu_backend, handle, placement, report
+from store_factories import EPOCH, NOW, PEER, Stores, gpu_backend, handle, placement, report
 
 from iris.policy.models import PeerReport
 from iris.store import LATEST_VERSION, MIGRATIONS, FederationStore, HandleState, Migration, StoreError
