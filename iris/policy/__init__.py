@@ -5,16 +5,18 @@ No I/O and no temporalio: callers pass reports, the ledger and ``now_ms`` in, an
 """
 
 from iris.policy.availability import (
+    CPU_TOKEN,
     Capacity,
     PeerStatus,
     effective_capacity,
     gate,
+    is_verified,
     live_reservations,
     peer_status,
     usable_block,
     working_capacity,
 )
-from iris.policy.classify import classify, pick_backend
+from iris.policy.classify import classify, local_placement, pick_backend
 from iris.policy.explain import (
     CANCELLED_BEFORE_HANDOFF,
     DEADLINE_PASSED,
@@ -61,6 +63,7 @@ from iris.policy.routing import (
 __all__ = [
     "AVAILABILITY_VERSION",
     "CANCELLED_BEFORE_HANDOFF",
+    "CPU_TOKEN",
     "DEADLINE_PASSED",
     "DEVICE_TYPES",
     "MAX_COUNT",
@@ -92,8 +95,10 @@ __all__ = [
     "effective_capacity",
     "first_unmatched",
     "gate",
+    "is_verified",
     "job_constraints",
     "live_reservations",
+    "local_placement",
     "matches",
     "peer_status",
     "pick_backend",

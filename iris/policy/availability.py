@@ -24,6 +24,12 @@ from iris.policy.models import (
 )
 from iris.policy.routing import AUTO_VARIANT
 
+# The token of CPU jobs: one unit per replica (a process slot on the process backend).
+CPU_TOKEN = "cpu"
+# Tokens a block may leave out: a block that does not name one says nothing about it, so a job
+# gated on it is matched there by shape only (an older controller, or a Ray backend, that reports
+# devices but not CPU). Any other token absent from a block has nothing free.
+OPTIONAL_TOKENS: frozenset[str] = frozenset({CPU_TOKEN})
 # Bands in the order held capacity is reclaimed: lowest priority first, so higher-priority work is
 # disturbed last.
 _RECLAIM_ORDER: tuple[Band, ...] = tuple(sorted(Band, reverse=True))
@@ -38,11 +44,16 @@ class PeerStatus(StrEnum):
 def gate(device: DeviceRequest) -> tuple[str, int] | None:
     """``(token, amount)`` a backend must have available, or None when the request is not gated.
 
-    Only a GPU with a concrete variant is gated (docs/DESIGN.md, "Vocabulary"): CPU is fungible,
-    ``auto`` names no token, and TPU slices are matched on shape.
+    A GPU with a concrete variant is gated on its chips (``count x replicas``); a CPU job on
+    ``cpu``, one unit per replica, the process backend's slot accounting (docs/DESIGN.md,
+    "Vocabulary"). ``auto`` names no token and TPU slices are matched on shape. A backend whose
+    block does not report ``cpu`` takes CPU jobs by shape (:meth:`Capacity.verifies`).
     """
+    dtype = device.type.strip().lower()
+    if dtype == CPU_TOKEN:
+        return (CPU_TOKEN, device.replicas)
     variant = device.variant.strip().lower()
-    if device.type.strip().lower() != "gpu" or not variant or variant == AUTO_VARIANT:
+    if dtype != "gpu" or not variant or variant == AUTO_VARIANT:
         return None
     need = device.count * device.replicas
     return (variant, need) if need > 0 else None
@@ -68,11 +79,20 @@ def peer_status(report: PeerReport, now_ms: int, stale_after_ms: int) -> PeerSta
 class Capacity:
     """Spendable capacity of one backend for one observation; mutated as work is charged to it."""
 
-    __slots__ = ("free", "held")
+    __slots__ = ("free", "held", "reported")
 
-    def __init__(self, free: dict[str, int], held: dict[Band, dict[str, int]]) -> None:
+    def __init__(
+        self,
+        free: dict[str, int],
+        held: dict[Band, dict[str, int]],
+        reported: frozenset[str] | None = None,
+    ) -> None:
         self.free = free
         self.held = held
+        # Every token the block names (amounts, totals or held), whatever its value.
+        if reported is None:
+            reported = frozenset(free).union(*(a.keys() for a in held.values()))
+        self.reported = reported
 
     @classmethod
     def from_block(cls, block: Availability) -> Capacity:
@@ -102,10 +122,16 @@ class Capacity:
                 if key in amounts:
                     amounts[key] = min(amounts[key], room)
                     room -= amounts[key]
-        return cls(free, held)
+        reported = frozenset(free).union(totals, *(a.keys() for a in held.values()))
+        return cls(free, held, reported)
 
     def copy(self) -> Capacity:
-        return Capacity(dict(self.free), {b: dict(a) for b, a in self.held.items()})
+        return Capacity(dict(self.free), {b: dict(a) for b, a in self.held.items()}, self.reported)
+
+    def verifies(self, token: str) -> bool:
+        """Whether this block's numbers speak for ``token``: always for a device token (absent
+        means nothing free), for an optional token (``cpu``) only when the block reports it."""
+        return token not in OPTIONAL_TOKENS or token in self.reported
 
     def idle(self, token: str) -> int:
         return self.free.get(token, 0)
@@ -176,6 +202,15 @@ def working_capacity(
     return capacity
 
 
+def is_verified(capacity: Capacity | None, token: str | None) -> bool:
+    """Whether a job gated on ``token`` (None: ungated) is judged on this capacity, not by shape.
+
+    A backend without a usable block is shape-only for every job; one whose block leaves out an
+    optional token (``cpu``) is shape-only for jobs gated on it: never 0 free.
+    """
+    return capacity is not None and (token is None or capacity.verifies(token))
+
+
 def effective_capacity(
     peer_id: str,
     backend: BackendReport,
@@ -183,9 +218,12 @@ def effective_capacity(
     band: Band,
     reservations: Iterable[Reservation] = (),
 ) -> int | None:
-    """What a job of ``band`` may use of ``token`` on one backend; None when shape-only."""
+    """What a job of ``band`` may use of ``token`` on one backend; None when shape-only for it."""
     capacity = working_capacity(peer_id, backend, reservations)
-    return None if capacity is None else capacity.effective(token.lower(), band)
+    key = token.strip().lower()
+    if capacity is None or not capacity.verifies(key):
+        return None
+    return capacity.effective(key, band)
 
 
 def live_reservations(

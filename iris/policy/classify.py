@@ -10,13 +10,24 @@ A cluster that is unreachable or stale at submit hosts nothing, but its backends
 (its last report's, or as configured): a job only such a cluster can run is queued, and waits for
 it, rather than rejected because a controller was restarting (docs/DESIGN.md, "Classification": it
 rejects a shape that no backend anywhere has).
+
+A LOCAL decision carries the placement to promote the job with, through the same CAS and ledger
+as the tick's (docs/DESIGN.md, "The ledger"): home's capacity is reserved like a peer's, so a burst
+of submits never runs more at home than home has room for; those the CAS refuses wait in the queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from iris.policy.availability import PeerStatus, gate, peer_status, working_capacity
+from iris.policy.availability import (
+    PeerStatus,
+    gate,
+    is_verified,
+    peer_status,
+    usable_block,
+    working_capacity,
+)
 from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
 from iris.policy.models import (
     BackendReport,
@@ -25,6 +36,7 @@ from iris.policy.models import (
     Disposition,
     JobShape,
     PeerReport,
+    Placement,
     Reservation,
 )
 from iris.policy.routing import job_constraints, matches, resolve_cluster
@@ -34,8 +46,9 @@ def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reser
     """The best backend of one cluster for ``job``, or None when none has its shape.
 
     Preference: fits in idle capacity, fits by reclaiming lower-band work, shape-only (no capacity
-    block), does not fit now; then tightest fit; then backend id. Used to place a local or pinned
-    job directly, outside the tick.
+    block, or a block that does not report the job's optional token, ``cpu``), does not fit now;
+    then tightest fit; then backend id. Used to place a local or pinned job directly, outside the
+    tick.
     """
     constraints = job_constraints(job)
     need = gate(job.device)
@@ -44,7 +57,7 @@ def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reser
         if not matches(constraints, backend.advertised_attributes):
             continue
         capacity = working_capacity(report.peer_id, backend, reservations)
-        if capacity is None:
+        if capacity is None or not is_verified(capacity, need[0] if need else None):
             rank = (2, 0, backend.backend_id)
         elif need is None:
             rank = (0, 0, backend.backend_id)
@@ -64,13 +77,42 @@ def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reser
     return None if best is None else best[2]
 
 
+def local_placement(
+    job: JobShape, report: PeerReport, backend_id: str, reservations: Sequence[Reservation], reason: str
+) -> Placement:
+    """The placement that promotes ``job`` to one backend of ``report``'s cluster through the CAS.
+
+    It reserves the job's gate against the backend's current observation when the backend's
+    block verifies it (docs/DESIGN.md, "The ledger"); otherwise (ungated job, no block, a block
+    without the job's optional token) nothing is reserved and the backend's own accounting holds
+    the job.
+    """
+    backend = next((b for b in report.backends if b.backend_id == backend_id), None)
+    need = gate(job.device)
+    block = usable_block(backend) if backend is not None else None
+    capacity = working_capacity(report.peer_id, backend, reservations) if backend is not None else None
+    verified = is_verified(capacity, need[0] if need else None)
+    return Placement(
+        job_id=job.job_id,
+        peer_id=report.peer_id,
+        backend_id=backend_id,
+        band=job.band,
+        observation_epoch_ms=block.observation_epoch_ms if block is not None else None,
+        reserved={need[0]: need[1]} if need is not None and verified else {},
+        verified=verified,
+        reason=reason,
+    )
+
+
 def _home_fits_now(
     job: JobShape, home: PeerReport, constraints: Sequence[Constraint], reservations: Sequence[Reservation]
 ) -> tuple[str | None, str]:
     """(backend that can run the job now, why home cannot) for prefer-local.
 
-    "Free now" means idle capacity: reclaiming lower-band work is left to the tick, which prefers an
-    idle peer over preempting at home.
+    "Free now" means idle capacity net of the ledger: reclaiming lower-band work is left to the
+    tick, which prefers an idle peer over preempting at home. A backend that cannot verify the job
+    (no block, or no ``cpu`` in it for a CPU job) fits by shape. Verified fits come first, then the
+    tightest, then backend id.
     """
     need = gate(job.device)
     matching = [b for b in home.backends if matches(constraints, b.advertised_attributes)]
@@ -79,23 +121,61 @@ def _home_fits_now(
     best_idle = 0
     token = ""
     amount = 0
-    chosen: tuple[int, str] | None = None
+    chosen: tuple[int, int, str] | None = None
     for backend in matching:
         capacity = working_capacity(home.peer_id, backend, reservations)
-        if need is None or capacity is None:
-            rank = (0, backend.backend_id)
+        if capacity is None or need is None or not capacity.verifies(need[0]):
+            rank = (0 if capacity is not None and need is None else 1, 0, backend.backend_id)
         else:
             token, amount = need
             idle = capacity.idle(token)
             best_idle = max(best_idle, idle)
             if idle < amount:
                 continue
-            rank = (idle - amount, backend.backend_id)
+            rank = (0, idle - amount, backend.backend_id)
         if chosen is None or rank < chosen:
             chosen = rank
     if chosen is not None:
-        return chosen[1], ""
+        return chosen[2], ""
     return None, f"home cluster {home.peer_id} has {best_idle} of the {amount} {token} needed free"
+
+
+def _pinned_home_placement(
+    job: JobShape,
+    report: PeerReport,
+    status: PeerStatus,
+    configured: Mapping[str, Sequence[BackendReport]],
+    reservations: Sequence[Reservation],
+) -> Placement:
+    """Where a job pinned to the home cluster goes: ``pick_backend``'s choice when home is OK.
+
+    A verified choice reserves even when home is full now: the CAS then refuses it and the job
+    waits in the queue, pinned to home, until the tick finds room there. A home that is not OK
+    is not trusted for capacity: its best-known backend of the job's shape, nothing reserved. A
+    home without the job's shape: force-routed (``backend_id == ""``), as the tick does for pins.
+    """
+    home = report.peer_id
+    if status is PeerStatus.OK:
+        backend_id = pick_backend(job, report, reservations)
+        if backend_id is not None:
+            reason = f"Pinned to the home cluster {home}, backend {backend_id}"
+            return local_placement(job, report, backend_id, reservations, reason)
+    constraints = job_constraints(job)
+    known = sorted(_known_backends(report, configured), key=lambda b: b.backend_id)
+    backend_id = next((b.backend_id for b in known if matches(constraints, b.advertised_attributes)), "")
+    if backend_id:
+        reason = f"Pinned to the home cluster {home}, backend {backend_id} by shape (home is {status.value})"
+    else:
+        reason = f"Pinned to the home cluster {home}, which advertises no backend of this shape: force-routed"
+    return Placement(
+        job_id=job.job_id,
+        peer_id=home,
+        backend_id=backend_id,
+        band=job.band,
+        verified=False,
+        forced=not backend_id,
+        reason=reason,
+    )
 
 
 def _reject_reason(
@@ -132,7 +212,10 @@ def classify(
     per cluster, home included.
 
     ``configured`` holds clusters' backends as configured, used only for a cluster whose live report
-    is not OK (it says which shapes exist there, never what is free).
+    is not OK (it says which shapes exist there, never what is free). ``reservations`` is the
+    ledger: what earlier promotions (local ones included) took from the observations reported.
+
+    A LOCAL decision has ``placement`` set (see :func:`local_placement`), to be promoted by the CAS.
     """
     configured = configured or {}
     by_id = {r.peer_id: r for r in reports}
@@ -147,10 +230,13 @@ def classify(
                 reason=f"unknown cluster '{pin}' (known: {', '.join(known)})",
             )
         if resolved == home:
+            pinned = by_id[home]
+            pinned_status = peer_status(pinned, now_ms, stale_after_ms)
             return Classification(
                 disposition=Disposition.LOCAL,
                 pinned_cluster=home,
                 reason=f"Pinned to the home cluster {home}",
+                placement=_pinned_home_placement(job, pinned, pinned_status, configured, reservations),
             )
         reason = queued_for_peer_reason(resolved)
         status = peer_status(by_id[resolved], now_ms, stale_after_ms)
@@ -166,8 +252,11 @@ def classify(
         if home_status is PeerStatus.OK:
             backend, why_not_home = _home_fits_now(job, home_report, constraints, reservations)
             if backend is not None:
+                reason = f"Runs at home on {home}/{backend}"
                 return Classification(
-                    disposition=Disposition.LOCAL, reason=f"Runs at home on {home}/{backend}"
+                    disposition=Disposition.LOCAL,
+                    reason=reason,
+                    placement=local_placement(job, home_report, backend, reservations, reason),
                 )
         else:
             why_not_home = f"home cluster {home} is {home_status.value}"

@@ -139,14 +139,6 @@ class Disposition(StrEnum):
     REJECT = "reject"
 
 
-class Classification(BaseModel):
-    """The submit-time decision (docs/DESIGN.md, "Classification"), with the reason a human reads."""
-
-    disposition: Disposition
-    pinned_cluster: str | None = None
-    reason: str
-
-
 # --- Availability ledger and the placement tick (docs/DESIGN.md, "Placement", "Promotion (the CAS)") ---
 
 
@@ -196,6 +188,19 @@ class Placement(BaseModel):
             band=self.band,
             job_id=self.job_id,
         )
+
+
+class Classification(BaseModel):
+    """The submit-time decision (docs/DESIGN.md, "Classification"), with the reason a human reads.
+
+    ``placement`` is set for a LOCAL decision: the home backend to promote the job to through the
+    CAS, with what to reserve there (nothing when home's capacity for the job cannot be verified).
+    """
+
+    disposition: Disposition
+    pinned_cluster: str | None = None
+    reason: str
+    placement: Placement | None = None
 
 
 class WaitKind(StrEnum):

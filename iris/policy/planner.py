@@ -20,7 +20,16 @@ import gc
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 
-from iris.policy.availability import Capacity, PeerStatus, gate, peer_status, replay, usable_block
+from iris.policy.availability import (
+    CPU_TOKEN,
+    Capacity,
+    PeerStatus,
+    gate,
+    is_verified,
+    peer_status,
+    replay,
+    usable_block,
+)
 from iris.policy.explain import (
     cap_message,
     full_message,
@@ -117,26 +126,24 @@ class _Class:
         self.by_peer: dict[str, list[_Backend]] = {}
         for b in members:
             self.by_peer.setdefault(b.peer_id, []).append(b)
-        self.home_verified = [b for b in members if b.home and b.cap is not None]
-        self.home_shape = [b for b in members if b.home and b.cap is None]
-        self.peer_shape = [b for b in members if not b.home and b.cap is None]
+        # Verified: the backend's block speaks for the class's token (for ``cpu``, only a block
+        # that reports it); the others take the class's jobs by shape.
+        verified = [is_verified(b.cap, token) for b in members]
+        self.home_verified = [b for b, v in zip(members, verified, strict=True) if b.home and v]
+        self.home_shape = [b for b, v in zip(members, verified, strict=True) if b.home and not v]
+        self.peer_shape = [b for b, v in zip(members, verified, strict=True) if not b.home and not v]
+        peer_verified = [b for b, v in zip(members, verified, strict=True) if not b.home and v]
         self.shape_ptr = 0
         # Ungated jobs take nothing: a fixed rank order, skipping peers that hit the per-tick cap.
-        self.order = (
-            self.home_verified
-            + [b for b in members if not b.home and b.cap is not None]
-            + self.home_shape
-            + self.peer_shape
-        )
+        self.order = self.home_verified + peer_verified + self.home_shape + self.peer_shape
         self.order_ptr = 0
         # Per band, the smallest need that found no backend this tick (capacity only shrinks).
         self.fails_from: list[int | float] = [_NEVER] * (max(Band) + 1)
         self.idle: list[_Entry] = []
         self.eff: dict[Band, list[_Entry]] = {_PRODUCTION: [], _INTERACTIVE: []}
         if token is not None:
-            for b in members:
-                if b.home or b.cap is None:
-                    continue
+            for b in peer_verified:
+                assert b.cap is not None
                 free, prod, inter = _levels(b.cap, token)
                 self.idle.append((free, b.peer_id, b.backend_id, b.idx))
                 self.eff[_PRODUCTION].append((prod, b.peer_id, b.backend_id, b.idx))
@@ -241,7 +248,7 @@ class _Tick:
             self.class_by_key[key] = cls
             if token is not None:
                 for b in cls.members:
-                    if not b.home and b.cap is not None:
+                    if not b.home and is_verified(b.cap, token):
                         self.lists_of.setdefault((b.idx, token), []).append(cls)
         return cls
 
@@ -330,7 +337,7 @@ class _Tick:
         token = cls.token
         best: tuple[tuple[int, int, int, str], _Backend, bool] | None = None
         for b in members:
-            if b.cap is None:
+            if b.cap is None or (token is not None and not b.cap.verifies(token)):
                 rank = (1, 0, 0, b.backend_id)
                 preempts = False
             elif token is None:
@@ -356,7 +363,7 @@ class _Tick:
         self.placed_on[peer_id] = count
         if self.max_per_peer is not None and count >= self.max_per_peer:
             self.capped.add(peer_id)
-        if b is None or b.cap is None or token is None:
+        if b is None or b.cap is None or token is None or not b.cap.verifies(token):
             return
         if b.home:
             b.cap.spend(token, need, band)
@@ -437,7 +444,12 @@ class _Tick:
             else:
                 token = cls.token
                 assert token is not None  # anything ungated or shape-only would have been placed
-                key = (WaitKind.FULL, max(b.cap.effective(token, band) for b in members if b.cap is not None))
+                available = max(
+                    b.cap.effective(token, band)
+                    for b in members
+                    if b.cap is not None and b.cap.verifies(token)
+                )
+                key = (WaitKind.FULL, available)
             grouped.setdefault(key, []).append(pid)
         keys = [(kind, detail, peers) for (kind, detail), peers in grouped.items()]
         self.keys_cache[cache_key] = keys
@@ -543,7 +555,8 @@ def _plan(
     expired: list[str] = []
     # Queue positions of the jobs left waiting, by what they wait for.
     waiting: dict[tuple[int, Band, int, str | None], list[int]] = {}
-    shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], _Class] = {}
+    # Per shape, the class and whether the gate counts replicas (``cpu``) rather than chips.
+    shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], tuple[_Class, bool]] = {}
     pins: dict[str, str | None] = {}
     for position, (_, _, job_id, index) in enumerate(order):
         job = unique[index]
@@ -552,13 +565,16 @@ def _plan(
             expired.append(job_id)
             continue
         device = job.device
-        need = device.count * device.replicas
-        shape_key = (job.constraints, device.type, device.variant, need > 0)
-        cls = shape_cache.get(shape_key)
-        if cls is None:
+        shape_key = (job.constraints, device.type, device.variant, device.count > 0)
+        cached = shape_cache.get(shape_key)
+        if cached is None:
             job_gate = gate(device)
             cls = tick.class_for(job_constraints(job), job_gate[0] if job_gate else None)
-            shape_cache[shape_key] = cls
+            per_replica = device.type.strip().lower() == CPU_TOKEN
+            cached = shape_cache[shape_key] = (cls, per_replica)
+        cls, per_replica = cached
+        # The gate's amount (availability.gate): replicas for a CPU job, chips otherwise.
+        need = device.replicas if per_replica else device.count * device.replicas
         band = job.band
         pin = None
         if job.target_cluster:
@@ -585,7 +601,7 @@ def _plan(
         peer_id = pin if b is None else b.peer_id
         assert peer_id is not None
         tick.charge(peer_id, b, cls.token, need, band)
-        verified = b is not None and b.cap is not None
+        verified = b is not None and is_verified(b.cap, cls.token)
         reserved = {cls.token: need} if verified and cls.token is not None else {}
         shape_rank = 2 if b is None else (0 if verified else 1)
         backend_id = "" if b is None else b.backend_id

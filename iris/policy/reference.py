@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from iris.policy.availability import Capacity, PeerStatus, gate, peer_status, working_capacity
+from iris.policy.availability import Capacity, PeerStatus, gate, is_verified, peer_status, working_capacity
 from iris.policy.explain import (
     cap_message,
     full_message,
@@ -124,9 +124,10 @@ def plan_reference(
                 shape_matched = True
                 cap = capacity[(p.peer_id, b.backend_id)]
                 rank: _Rank
-                if cap is None:
+                if not is_verified(cap, need[0] if need else None):
+                    # No block, or (a CPU job) a block that does not report cpu: by shape.
                     rank = (1, 0, not_home, 0, p.peer_id, b.backend_id)
-                elif need is None:
+                elif cap is None or need is None:
                     rank = (0, 0, not_home, 0, p.peer_id, b.backend_id)
                 else:
                     token, amount = need
@@ -159,7 +160,7 @@ def plan_reference(
         if cap is not None:
             block = next(b for b in _peer(peers, peer_id).backends if b.backend_id == backend_id).availability
             epoch = block.observation_epoch_ms if block is not None else None
-            if need is not None:
+            if need is not None and cap.verifies(need[0]):
                 cap.spend(need[0], need[1], job.band)
                 reserved = {need[0]: need[1]}
         placements.append(
@@ -191,7 +192,7 @@ def placement_reason(peer_id: str, backend_id: str, home: str, shape_only: int, 
     if shape_only == 2:
         return f"Pinned to {where}, which advertises no backend of this shape: force-routed"
     if shape_only == 1:
-        return f"Placed on {where} backend {backend_id} by shape (it reports no capacity)"
+        return f"Placed on {where} backend {backend_id} by shape (it reports no capacity for this job)"
     if preempts:
         return f"Placed on {where} backend {backend_id} by reclaiming lower-priority work"
     return f"Placed on {where} backend {backend_id} with free capacity"
@@ -244,7 +245,7 @@ def _verdicts(
         available = max(
             c.effective(token, band)
             for b in matching
-            if (c := capacity[(p.peer_id, b.backend_id)]) is not None
+            if (c := capacity[(p.peer_id, b.backend_id)]) is not None and c.verifies(token)
         )
         rows.append(
             (p.peer_id, WaitKind.FULL, full_message(token, amount, band, available), token, amount, available)

@@ -39,12 +39,12 @@ async def test_health_and_backends(open_controller: Controller) -> None:
     gpu, cpu = by_id["gpu"], by_id["cpu"]
     assert gpu.advertised_attributes["device-variant"] == ["h100"]
     assert gpu.availability is not None and gpu.availability.version == 1
-    assert gpu.availability.total_amounts == {"h100": 16}
+    # Device chips and CPU slots (the ``cpu`` token, one slot per replica), each with its total.
+    assert gpu.availability.total_amounts == {"h100": 16, "cpu": 4}
     assert gpu.availability.observation_epoch_ms > 0
-    # A backend without devices still reports a block, with empty amounts.
+    # A backend without devices reports its CPU slots only.
     assert cpu.availability is not None
-    assert cpu.availability.amounts == {} and cpu.availability.total_amounts == {}
-    assert cpu.availability.held_by_band == []
+    assert set(cpu.availability.amounts) == {"cpu"} and cpu.availability.total_amounts == {"cpu": 2}
 
 
 async def test_observation_changes_only_when_capacity_does(open_controller: Controller) -> None:
@@ -65,6 +65,41 @@ async def test_observation_changes_only_when_capacity_does(open_controller: Cont
         assert await gpu_observation(c) == after_start
         await c.terminate("obs/a")
         assert await gpu_observation(c) > after_start
+
+
+async def test_cpu_slots_are_reported_free_promised_and_held_by_band(tmp_path: Path) -> None:
+    """CPU slots are a token like chips (issue 15): free minus what PENDING CPU jobs are promised,
+    held by band while CPU jobs run, back to the total when they end."""
+    peer = cluster("peer", backends=[{"id": "cpu", "attributes": {"device-type": ["cpu"]}, "cpu_slots": 4}])
+    cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
+    ctl = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"], kill_grace=1.0)
+
+    async def block(c: ControllerClient) -> tuple[dict[str, int], dict[int, dict[str, int]]]:
+        a = (await c.backends()).backends[0].availability
+        assert a is not None and a.total_amounts == {"cpu": 4}
+        return a.amounts, {int(h.band): h.amounts for h in a.held_by_band}
+
+    sleep = py("import time; time.sleep(60)")
+    try:
+        async with ctl.client() as c:
+            assert await block(c) == ({"cpu": 4}, {})
+            batch = await c.launch(
+                request(sleep, job_id="cpu/batch", backend_id="cpu", replicas=2, band=Band.BATCH)
+            )
+            assert batch.state is S.RUNNING
+            assert await block(c) == ({"cpu": 2}, {3: {"cpu": 2}})
+            # Three replicas do not fit in the two free slots: PENDING, and promised what is free.
+            waiting = await c.launch(request(sleep, job_id="cpu/waiting", backend_id="cpu", replicas=3))
+            assert waiting.state is S.PENDING
+            assert await block(c) == ({"cpu": 0}, {3: {"cpu": 2}})
+            await c.terminate("cpu/batch")
+            await poll(
+                lambda: block(c), lambda b: b == ({"cpu": 1}, {2: {"cpu": 3}}), what="the waiting job runs"
+            )
+            await c.terminate("cpu/waiting")
+            await poll(lambda: block(c), lambda b: b == ({"cpu": 4}, {}), what="every slot free again")
+    finally:
+        ctl.stop()
 
 
 async def test_success_logs_and_env(open_controller: Controller) -> None:
@@ -242,7 +277,9 @@ async def test_slot_accounting_queue_and_bands(tmp_path: Path) -> None:
             async def avail() -> tuple[dict[str, int], dict[int, dict[str, int]]]:
                 a = (await c.backends()).backends[0].availability
                 assert a is not None
-                return a.amounts, {int(h.band): h.amounts for h in a.held_by_band}
+                amounts = dict(a.amounts)
+                assert amounts.pop("cpu") == 4  # the CPU slots: GPU jobs take none
+                return amounts, {int(h.band): h.amounts for h in a.held_by_band}
 
             a = await c.launch(request(sleeper, job_id="q/a", gpus=6, band=Band.BATCH))
             assert a.state is S.RUNNING

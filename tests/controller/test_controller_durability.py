@@ -27,6 +27,8 @@ from iris.controller.models import JobStatus
 from iris.policy.models import Band
 
 TOTAL_SLOTS = 16
+# CPU slots of controller_harness.gpu_backend (reported as the ``cpu`` token); these jobs use GPUs.
+CPU_SLOTS = 4
 
 # Each job claims its slots as exclusive marker files (a clash is recorded as a violation), reports
 # that it runs, then holds its slots until the test releases it.
@@ -78,12 +80,12 @@ async def check_consistent(c: ControllerClient, d: Path) -> list[JobStatus]:
     assert await asyncio.to_thread(held_by_processes, d) == set(assigned)
     report = (await c.backends()).backends[0].availability
     assert report is not None
-    assert report.total_amounts == {"h100": TOTAL_SLOTS}
+    assert report.total_amounts == {"h100": TOTAL_SLOTS, "cpu": CPU_SLOTS}
     # Idle chips promised to jobs waiting here are not offered as free.
     if any(j.state is S.PENDING for j in jobs):
         assert 0 <= report.amounts["h100"] <= TOTAL_SLOTS - len(assigned)
     else:
-        assert report.amounts == {"h100": TOTAL_SLOTS - len(assigned)}
+        assert report.amounts == {"h100": TOTAL_SLOTS - len(assigned), "cpu": CPU_SLOTS}
     held: dict[int, int] = {}
     for j in running:
         held[int(j.band)] = held.get(int(j.band), 0) + sum(len(t.slots) for t in j.tasks)
@@ -149,7 +151,9 @@ async def test_fifty_concurrent_launches_never_overcommit(tmp_path: Path) -> Non
             assert all(j.state is S.SUCCEEDED for j in jobs)
             report = (await c.backends()).backends[0].availability
             assert (
-                report is not None and report.amounts == {"h100": TOTAL_SLOTS} and report.held_by_band == []
+                report is not None
+                and report.amounts == {"h100": TOTAL_SLOTS, "cpu": CPU_SLOTS}
+                and report.held_by_band == []
             )
     finally:
         for i in range(50):
@@ -203,7 +207,7 @@ async def test_kill9_restart_reports_every_job_honestly(tmp_path: Path) -> None:
             assert await read_all_logs(c, "r/ok") == "done\n"
             assert "up" in await read_all_logs(c, "r/running")
             report = (await c.backends()).backends[0].availability
-            assert report is not None and report.amounts == {"h100": 8}
+            assert report is not None and report.amounts == {"h100": 8, "cpu": CPU_SLOTS}
             # The old job id keeps its idempotency: same nonce is a replay, no new run.
             replay = await c.launch(request(py("print('done')"), job_id="r/ok"))
             assert replay.state is S.SUCCEEDED and replay.attempts == 1

@@ -82,7 +82,7 @@ def job(
     constraints: tuple[Constraint, ...] = (),
 ) -> JobShape:
     if variant is None and device_type is None:
-        device = DeviceRequest()
+        device = DeviceRequest(replicas=replicas)
     elif device_type == "tpu":
         device = DeviceRequest(type="tpu", variant=variant or "auto", count=count, replicas=replicas)
     else:

@@ -33,8 +33,13 @@ class TestGate:
     def test_variant_token_is_lowercased(self) -> None:
         assert gate(DeviceRequest(type="GPU", variant="H100", count=1)) == ("h100", 1)
 
-    def test_cpu_auto_and_tpu_are_not_gated(self) -> None:
-        assert gate(DeviceRequest()) is None
+    def test_cpu_is_gated_one_slot_per_replica(self) -> None:
+        # Was "not gated" before issue 15: CPU is now a token, counted like the process backend's
+        # slots (one per replica).
+        assert gate(DeviceRequest()) == ("cpu", 1)
+        assert gate(DeviceRequest(type="CPU", replicas=5)) == ("cpu", 5)
+
+    def test_auto_and_tpu_are_not_gated(self) -> None:
         assert gate(DeviceRequest(type="gpu", variant="auto", count=8)) is None
         assert gate(DeviceRequest(type="tpu", variant="tpu-v5p", count=4)) is None
 

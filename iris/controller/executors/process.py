@@ -20,10 +20,10 @@ from pathlib import Path
 from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
-from iris.controller.executors.base import Backend, Demand, JobHost
+from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.controller.state import JobRecord, now_ms
-from iris.policy.models import BackendReport
+from iris.policy.models import BackendReport, Band, HeldByBand
 
 log = logging.getLogger("iris.controller.executor")
 
@@ -204,12 +204,31 @@ class ProcessBackend(Backend):
             self._kill_run(job, run, grace_s=self.kill_grace_s)
 
     def report(self) -> BackendReport:
-        return self.capacity_report(
-            self.observed_ms,
-            free={t: max(0, p.free - self.pending(t)) for t, p in self.pools.items()},
-            totals={t: p.total for t, p in self.pools.items()},
-            running=(run.job for run in self._runs.values()),
-        )
+        """Device chips per token and CPU slots as the ``cpu`` token (docs/DESIGN.md, "Vocabulary":
+        one slot per replica), each free minus what PENDING jobs here are promised."""
+        free = {t: max(0, p.free - self.pending(t)) for t, p in self.pools.items()}
+        totals = {t: p.total for t, p in self.pools.items()}
+        free[CPU_RESOURCE] = max(0, self.cpu_free - self.pending(CPU_RESOURCE))
+        totals[CPU_RESOURCE] = self.config.cpu_slots
+        running = [run.job for run in self._runs.values()]
+        report = self.capacity_report(self.observed_ms, free=free, totals=totals, running=running)
+        # capacity_report counts device chips only; running CPU jobs hold their slots by band too.
+        cpu_held: dict[Band, int] = {}
+        for job in running:
+            try:
+                demand = self.demand(job.device)
+            except InvalidArgument:  # recovered under a config that no longer has its device
+                continue
+            if demand.is_cpu:
+                cpu_held[job.band] = cpu_held.get(job.band, 0) + demand.replicas
+        if cpu_held and report.availability is not None:
+            held = {h.band: dict(h.amounts) for h in report.availability.held_by_band}
+            for band, slots in cpu_held.items():
+                held.setdefault(band, {})[CPU_RESOURCE] = slots
+            report.availability.held_by_band = [
+                HeldByBand(band=b, amounts=a) for b, a in sorted(held.items())
+            ]
+        return report
 
     async def shutdown(self) -> None:
         """Stop every running job (they cannot outlive their controller unobserved)."""

@@ -232,6 +232,12 @@ class RayBackend(Backend):
         self._wake.set()  # the monitor stops it in Ray and settles it when Ray says it ended
 
     def report(self) -> BackendReport:
+        # No ``cpu`` token: the policy then takes CPU jobs here by shape (docs/DESIGN.md,
+        # "Vocabulary"). Ray's CPU count is known but is not this backend's: clusters sharing one
+        # head (``iris dev --ray``) would each report the same CPUs (devices are kept apart by
+        # per-backend resource names, CPU has none), the jobs' own tasks and other Ray users take
+        # CPUs no job slot accounts for, and a replica's share (``ray_cpus``) may be 0. Ray queues
+        # what does not fit.
         if self._reachable and time.monotonic() - self._last_ok > STALE_AFTER_S:
             self._reachable = False
             self._reason = f"Ray at {self.address} has not answered for {STALE_AFTER_S:.0f}s"
