@@ -24,6 +24,7 @@ from iris.controller.models import LaunchRequest
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, StoreUnavailable, open_store
 from iris.reports import FederationView, gather_reports
+from iris.store import FederationStore
 
 
 class LaunchInput(BaseModel):
@@ -130,11 +131,14 @@ class PeerActivities:
         config: FederationConfig,
         relay: LogRelay | None = None,
         *,
+        store: FederationStore | None = None,
         request_timeout_s: float = 5.0,
         reports_reuse_s: float = 0.5,
     ) -> None:
         self._config = config
         self._relay = relay
+        # The reservation ledger, read fresh for every view (the reports may be shared).
+        self._store = store
         self._timeout = request_timeout_s
         self._reuse_s = reports_reuse_s
         self._view: tuple[float, FederationView] | None = None
@@ -154,11 +158,16 @@ class PeerActivities:
         """
         cached = self._view
         if cached is not None and time.monotonic() - cached[0] <= self._reuse_s:
-            return cached[1]
-        if self._reading is None or self._reading.done():
-            self._reading = asyncio.create_task(self._read_reports())
-        # Shielded: one caller's cancellation must not cancel the read the others wait on.
-        return await asyncio.shield(self._reading)
+            view = cached[1]
+        else:
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.create_task(self._read_reports())
+            # Shielded: one caller's cancellation must not cancel the read the others wait on.
+            view = await asyncio.shield(self._reading)
+        if self._store is None:
+            return view
+        reservations = await asyncio.to_thread(self._store.reservations)
+        return view.model_copy(update={"reservations": reservations})
 
     async def _read_reports(self) -> FederationView:
         view = await gather_reports(self._config, timeout_s=self._timeout)

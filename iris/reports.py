@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from iris.config import ClusterConfig, ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError
-from iris.policy.models import BackendReport, PeerReport
+from iris.policy.models import BackendReport, PeerReport, Reservation
 
 
 class FederationView(BaseModel):
@@ -27,6 +27,9 @@ class FederationView(BaseModel):
     # The configured backends of each cluster that did not answer: classification still counts
     # their shapes (the job waits for them), the tick never places there.
     configured: dict[str, list[BackendReport]] = {}
+    # The federation store's confirmed reservations when the view was read: classification counts
+    # home capacity another job has just taken (docs/DESIGN.md, "The ledger").
+    reservations: list[Reservation] = []
 
     def report(self, cluster: str) -> PeerReport | None:
         return next((r for r in self.reports if r.peer_id == cluster), None)

@@ -69,7 +69,7 @@ class FederationWorker:
 
 def job_activities(config: FederationConfig, store: FederationStore) -> list[Callable[..., Any]]:
     """Every activity of the jobs' task queue (the names are the contract's, iris/contract.py)."""
-    peers = PeerActivities(config, LogRelay(config))
+    peers = PeerActivities(config, LogRelay(config), store=store)
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)

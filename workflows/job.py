@@ -123,6 +123,9 @@ TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
 # peer_lost_after) and retry a failed or lost attempt within the job's budgets; after a launch whose
 # answer never came they ask the cluster whether it has the attempt before parking (issue 15).
 ATTEMPTS_PATCH = "attempts-v1"
+# Runs with this patch reserve home capacity for a LOCAL job through the queue's CAS and ledger
+# (issue 15); a run begun before it goes home without a reservation.
+HOME_LEDGER_PATCH = "home-ledger-v1"
 # Runs with this patch continue as new past _CONTINUE_AFTER_EVENTS history events, at a quiet point
 # of a long wait (queued, following an attempt, parked), carrying a _Carry (docs/DESIGN.md,
 # "Bounded histories").
@@ -541,6 +544,11 @@ class JobWorkflow:
         if self._job.cancel is not None:
             await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if decision.disposition is Disposition.LOCAL:
+            if decision.placement is not None and workflow.patched(HOME_LEDGER_PATCH):
+                placement = await self._reserve_home(decision.placement)
+                backend = placement.backend_id or self._backend_for(view, placement.peer_id)
+                await self._deliver(view, placement.peer_id, backend)
+                return
             await self._deliver(view, view.home, self._backend_for(view, view.home))
             return
         placement = await self._queue()
@@ -642,6 +650,7 @@ class JobWorkflow:
             now_ms=view.fetched_ms if view.fetched_ms is not None else self._now_ms(),
             stale_after_ms=view.stale_after_ms,
             configured=view.configured,
+            reservations=view.reservations,
         )
         job.clusters = [r.peer_id for r in view.reports]
         job.view = view
@@ -656,6 +665,23 @@ class JobWorkflow:
         job = self._job
         await self._enqueue()
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON)
+        if job.explanation is not None:
+            self._set(JobState.QUEUED_HANDOFF, job.explanation, record=False)
+        return await self._await_promotion()
+
+    async def _reserve_home(self, placement: Placement) -> Placement:
+        """A LOCAL job takes home's capacity through the queue's CAS and ledger, as a promotion by
+        the tick does (docs/DESIGN.md, "The ledger"): a burst of submits never runs more at home
+        than home has room for. One the CAS refuses (home filled up since the reports were read)
+        waits in the queue, home still a candidate."""
+        job = self._job
+        await self._enqueue()
+        promoted = await self._promote(placement)
+        if promoted is not None:
+            job.placement = None  # a tick's offer that raced the promotion is moot
+            return promoted
+        job.status.disposition = Disposition.QUEUE.value
+        self._set(JobState.QUEUED_HANDOFF, f"{QUEUED_REASON} (home filled up since the reports were read)")
         if job.explanation is not None:
             self._set(JobState.QUEUED_HANDOFF, job.explanation, record=False)
         return await self._await_promotion()
@@ -735,7 +761,7 @@ class JobWorkflow:
         target = f"{placement.peer_id}/{placement.backend_id or '-'}"
         if result.promoted:
             backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
-            self._event(JobState.QUEUED_HANDOFF, f"promoted to {target}: {placement.reason or 'placed'}")
+            self._event(job.status.state, f"promoted to {target}: {placement.reason or 'placed'}")
             return placement.model_copy(update={"backend_id": backend})
         handle = result.handle
         if result.outcome is PromoteOutcome.CANCELLED or (handle is not None and handle.cancel_requested):
@@ -744,7 +770,7 @@ class JobWorkflow:
             handle is not None and handle.state is HandleState.UNSCHEDULABLE
         ):
             await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
-        self._event(JobState.QUEUED_HANDOFF, f"promotion to {target} refused: {result.message}")
+        self._event(job.status.state, f"promotion to {target} refused: {result.message}")
         self._set(JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", record=False)
         return None
 
@@ -807,7 +833,8 @@ class JobWorkflow:
         ``cluster`` as the launch answered it."""
         job = self._job
         job.status.backend_id = backend
-        prepare = f"Promoted to {cluster}" if job.queued else f"Runs at home on {cluster}"
+        home = job.view is not None and cluster == job.view.home
+        prepare = f"Runs at home on {cluster}" if home or not job.queued else f"Promoted to {cluster}"
         self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
         if job.cancel is not None:
             await self._cancel_before_handoff()

@@ -46,7 +46,9 @@ async def test_peers_table_and_list_peers_json(stack: Stack) -> None:
             assert {"backend_id", "advertised_attributes", "availability"} <= set(b)
     east = next(p for p in peers if p["peer_id"] == "cw-us-east-02a")
     assert east["backends"][0]["advertised_attributes"]["device-variant"] == ["h100"]
-    assert east["backends"][0]["availability"]["total_amounts"] == {"h100": 16}
+    # Its devices, and its CPU slots (CPU jobs are counted too: docs/DESIGN.md, "The ledger").
+    totals = east["backends"][0]["availability"]["total_amounts"]
+    assert totals["h100"] == 16 and set(totals) == {"h100", "cpu"} and totals["cpu"] > 0
 
 
 async def test_list_filters_json_and_reason_column(stack: Stack) -> None:

@@ -7,6 +7,8 @@ from job_doubles import (
     HOME,
     HOME_BACKEND,
     OTHER_PEER,
+    PEER,
+    PEER_BACKEND,
     Federation,
     cpu_spec,
     gpu_spec,
@@ -14,15 +16,19 @@ from job_doubles import (
     states,
     status,
     wait_for,
+    wait_for_state,
 )
 
 from iris.jobs import JobState
 from iris.policy import QUEUED_REASON, queued_for_peer_reason
 from iris.policy.models import DeviceRequest
+from iris.store.models import HandleState, PromoteOutcome
 from workflows.job import JobWorkflow
 
 
-async def test_a_job_home_can_run_now_runs_at_home_without_the_queue(fed: Federation) -> None:
+async def test_a_job_home_can_run_now_runs_at_home_with_its_capacity_reserved_by_the_cas(
+    fed: Federation,
+) -> None:
     spec = cpu_spec("hello", fed.now_ms)
     handle = await fed.start(spec)
 
@@ -40,9 +46,12 @@ async def test_a_job_home_can_run_now_runs_at_home_without_the_queue(fed: Federa
         JobState.SUCCEEDED,
     ]
     assert f"Accepted by the home cluster {HOME}" in messages(st)
-    # No federation overhead: the queue is never touched.
+    # Home's capacity is taken through the queue's CAS, as a promotion by the tick does: a burst
+    # of submits never runs more at home than home has room for (docs/DESIGN.md, "The ledger").
     fake = fed.fake
-    assert (fake.enqueued, fake.promotions, fake.handle_states) == ([], [], [])
+    assert [e.shape.job_id for e in fake.enqueued] == [spec.job_id]
+    assert [(p.peer_id, p.backend_id) for p in fake.promotions] == [(HOME, HOME_BACKEND)]
+    assert fake.handle_ends == [HandleState.HANDED_OFF, HandleState.SUCCEEDED]
     assert fake.deliveries == [(HOME, f"{spec.job_id}@{spec.submit_ms}")]
     request = fake.launch_requests[0].request
     assert (request.requester, request.backend_id, request.command) == (HOME, HOME_BACKEND, spec.command)
@@ -100,7 +109,29 @@ async def test_a_job_pinned_to_home_runs_at_home(fed: Federation) -> None:
 
     assert (st.state, st.cluster, st.disposition) == (JobState.SUCCEEDED, HOME, "local")
     assert st.classification_reason == f"Pinned to the home cluster {HOME}"
-    assert fed.fake.enqueued == []
+    assert [e.shape.target_cluster for e in fed.fake.enqueued] == [HOME]
+    assert [p.peer_id for p in fed.fake.promotions] == [HOME]
+
+
+async def test_a_local_job_the_cas_refuses_at_home_waits_in_the_queue_and_runs_where_placed(
+    fed: Federation,
+) -> None:
+    """Home filled up between the reports and the promotion: the job is queued, home a candidate."""
+    fake = fed.fake
+    fake.promote = [PromoteOutcome.NO_CAPACITY, PromoteOutcome.PROMOTED]
+    spec = cpu_spec("burst", fed.now_ms)
+    handle = await fed.start(spec)
+    st = await wait_for_state(handle, JobState.QUEUED_HANDOFF)
+    assert st.reason.endswith("(home filled up since the reports were read)")
+    assert st.disposition == "queue"
+    assert fake.launch_attempts == []
+
+    await fed.place(handle, PEER, PEER_BACKEND)
+    st = await fed.result(handle)
+
+    assert (st.state, st.cluster) == (JobState.SUCCEEDED, PEER)
+    assert [p.peer_id for p in fake.promotions] == [HOME, PEER]
+    assert fake.deliveries == [(PEER, f"{spec.job_id}@{spec.submit_ms}")]
 
 
 async def test_the_ticks_explanation_becomes_the_pending_reason_without_a_new_event(fed: Federation) -> None:

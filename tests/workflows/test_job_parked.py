@@ -104,18 +104,18 @@ async def test_a_replay_to_another_peer_is_promoted_there_without_waiting_for_a_
 
 
 async def test_a_job_that_ran_at_home_can_be_replayed_to_a_peer_through_the_queue(fed: Federation) -> None:
-    """Not queued before, it is enqueued now, then force-placed on the peer."""
+    """Its home reservation's handle goes back to the queue, then is force-placed on the peer."""
     fake = fed.fake
     fake.missing = {HOME: {"gs://data/x"}}
     handle = await fed.start(cpu_spec("local", fed.now_ms, artifacts=["gs://data/x"]))
     st = await wait_for_state(handle, JobState.HANDOFF_FAILED)
-    assert st.cluster == HOME and fake.enqueued == []
+    assert st.cluster == HOME and len(fake.enqueued) == 1
 
     await handle.execute_update(JobWorkflow.replay_handoff, ReplayRequest(peer=PEER))
     st = await fed.result(handle)
 
     assert (st.state, st.cluster) == (JobState.SUCCEEDED, PEER)
-    assert len(fake.enqueued) == 1 and fake.requeued == []
+    assert len(fake.enqueued) == 1 and fake.requeued == [st.job_id]
     assert [c for c, _ in fake.deliveries] == [PEER]
 
 
