@@ -4,6 +4,12 @@ Forwards every request to the controller unchanged, except that it can refuse th
 launches with 503 UNAVAILABLE — a peer outage at the exact moment of handoff, which timing alone
 cannot produce reliably —, lose the reply to a request the controller has acted on, or go down
 right after a given request. The controller behind it stays the real one and counts its own launches.
+
+Faults at the connection level, as a dead host or a broken network shows them (no HTTP answer at
+all): ``cut(...)`` lets the next matching request reach the controller (or not), then closes the
+caller's connection without a byte of reply and refuses every connection from then on (the port
+is closed: ``connect`` fails), in-flight ones cut too; ``refuse()`` does the latter at once, and
+``heal()`` listens again.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
 import httpx
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,9 +44,82 @@ class FaultProxy:
         self.lost_replies = 0
         # After the first reply to a request matching this "METHOD /path-prefix", go down.
         self.down_after: str | None = None
+        # The next request matching this (``cut``) has its connection closed without a reply
+        # (after reaching the controller if ``_cut_forwards``), then every connection is refused
+        # until ``heal()``.
+        self._cut: str | None = None
+        self._cut_forwards = True
+        # Requests whose connection was cut, as "METHOD /path" (forwarded to the controller or not).
+        self.cut_requests: list[str] = []
+        # While set, the port is closed: no connection is accepted (ECONNREFUSED).
+        self.refusing = False
+        self.port: int | None = None
+        # The connection of each caller, by its (host, port): a cut closes it without a reply.
+        self._connections: dict[tuple[str, int], asyncio.Transport] = {}
         self._http = httpx.AsyncClient(timeout=30)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
+        # Servers stopped by ``refuse()``, still finishing their shutdown.
+        self._stopping: list[asyncio.Task[None]] = []
+
+    def cut(self, request: str = "POST /v1/jobs", *, forward: bool = True) -> None:
+        """The next request ``request`` ("METHOD /path", or every path under it if it ends with
+        "/") reaches the controller (unless ``forward`` is False), then its connection is closed
+        without a byte of reply, and from then on every connection is refused, until ``heal()``:
+        the caller cannot learn what became of it."""
+        self._cut = request
+        self._cut_forwards = forward
+
+    def refuse(self) -> None:
+        """The controller's host goes away: the port is closed, connections in flight are cut."""
+        self.refusing = True
+        server = self._server
+        if server is not None:
+            for listener in server.servers:
+                listener.close()
+            server.should_exit = True
+        if self._task is not None:
+            self._stopping.append(self._task)
+        self._server, self._task = None, None
+        for transport in list(self._connections.values()):
+            transport.abort()
+
+    async def heal(self) -> None:
+        """Listen again, forwarding every request (a pending ``cut`` is dropped)."""
+        self._cut = None
+        stopping, self._stopping = self._stopping, []
+        for task in stopping:
+            with contextlib.suppress(Exception):
+                await task
+        self.refusing = False
+        if self._server is None:
+            assert self.port is not None, "the proxy was never started"
+            await self.start(self.port)
+
+    async def _cut_connection(
+        self, scope: Scope, receive: Callable[[], Awaitable[Message]], body: bytes, request_line: str
+    ) -> None:
+        self._cut = None
+        self.cut_requests.append(request_line)
+        if self._cut_forwards:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._forward(scope, body)
+        client = scope.get("client")
+        transport = self._connections.get(tuple(client)) if client else None
+        self.refuse()
+        if transport is not None:
+            transport.abort()
+        # The server notices the connection is gone: this request then ends without a reply.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def _forward(self, scope: Scope, body: bytes) -> httpx.Response:
+        path = scope.get("raw_path") or scope["path"].encode()
+        url = self.upstream + path.decode()
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")]
+        return await self._http.request(scope["method"], url, content=body, headers=headers)
 
     async def __call__(
         self,
@@ -58,7 +138,11 @@ class FaultProxy:
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
-        self.requests[f"{scope['method']} {scope['path']}"] += 1
+        request_line = f"{scope['method']} {scope['path']}"
+        self.requests[request_line] += 1
+        if self._cut is not None and _matches(request_line, self._cut):
+            await self._cut_connection(scope, receive, body, request_line)
+            return
         is_launch = scope["method"] == "POST" and scope["path"] == "/v1/jobs"
         if self.down or (is_launch and self.fail_launches > 0):
             if is_launch and not self.down:
@@ -76,15 +160,9 @@ class FaultProxy:
             return
         if is_launch:
             self.forwarded_launches += 1
-        request_line = f"{scope['method']} {scope['path']}"
         lose = next((k for k, n in self.lose_replies.items() if n > 0 and request_line.startswith(k)), None)
-        path = scope.get("raw_path") or scope["path"].encode()
-        url = self.upstream + path.decode()
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"host", b"content-length")]
         try:
-            resp = await self._http.request(scope["method"], url, content=body, headers=headers)
+            resp = await self._forward(scope, body)
         except httpx.HTTPError:
             await send({"type": "http.response.start", "status": 502, "headers": []})
             await send({"type": "http.response.body", "body": b""})
@@ -107,8 +185,16 @@ class FaultProxy:
         await send({"type": "http.response.body", "body": resp.content})
 
     async def start(self, port: int) -> None:
-        config = uvicorn.Config(self, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
+        self.port = port
+        config = uvicorn.Config(
+            self,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            http=_tracked_protocol(self),
+        )
+        self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve())
         while not self._server.started:
             if self._task.done():
@@ -118,7 +204,42 @@ class FaultProxy:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
-        if self._task is not None:
+        for task in [*self._stopping, *([self._task] if self._task is not None else [])]:
             with contextlib.suppress(Exception):
-                await self._task
+                await task
         await self._http.aclose()
+
+
+def _matches(request_line: str, pattern: str) -> bool:
+    """``pattern`` names this request exactly, or a path prefix ending with "/" (a launch,
+    ``POST /v1/jobs``, is not its terminates', ``POST /v1/jobs/<id>/terminate``)."""
+    return request_line == pattern or (pattern.endswith("/") and request_line.startswith(pattern))
+
+
+class _Server(uvicorn.Server):
+    """A proxy stopped and started again by a test leaves the process's signal handlers alone
+    (uvicorn's own would capture SIGINT and SIGTERM while it runs, and restore them out of order)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _tracked_protocol(proxy: FaultProxy) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, telling ``proxy`` each caller's connection (so a cut can close
+    it without a reply) and closing at once any connection accepted while the proxy refuses."""
+
+    class Tracked(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if proxy.refusing:
+                transport.abort()
+            elif self.client is not None:
+                proxy._connections[self.client] = transport
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.client is not None and proxy._connections.get(self.client) is self.transport:
+                del proxy._connections[self.client]
+            super().connection_lost(exc)
+
+    return Tracked
