@@ -270,6 +270,8 @@ class _Job:
     # Whether this run takes CONTINUE_PATCH's path, and how many runs came before it.
     can_continue: bool = False
     runs: int = 1
+    # Whether this run numbers attempts (ATTEMPTS_PATCH).
+    numbered: bool = False
     # The capacity view the job was classified with (a later attempt picks a backend with it).
     view: FederationView | None = None
 
@@ -325,6 +327,7 @@ class JobWorkflow:
                 maybe_on=carry.maybe_on,
                 lost_after_s=carry.lost_after_s,
                 can_continue=True,
+                numbered=True,
                 runs=carry.runs + 1,
                 view=carry.view,
             )
@@ -518,6 +521,11 @@ class JobWorkflow:
             self._event(JobState.CLASSIFYING, job.status.reason)
             self._set(JobState.CLASSIFYING, job.status.reason)
             job.can_continue = workflow.patched(CONTINUE_PATCH)
+            # Asked here, before any local activity, not where attempts first matter: a patch
+            # marker recorded in the workflow task that also completes a slow local activity (the
+            # SDK then heartbeats that task) may land ahead of the activity's own marker, and a
+            # replay that first asks after the activity finds it out of place (nondeterminism).
+            job.numbered = workflow.patched(ATTEMPTS_PATCH)
         try:
             try:
                 await (self._lifecycle() if carry is None else self._resume(carry))
@@ -921,7 +929,7 @@ class JobWorkflow:
             return await asyncio.shield(job.launch_op)
         except ActivityError as exc:
             why = f"Handoff to {cluster} failed after retries"
-            if _is_cancellation(exc) or _refusal(exc) or not workflow.patched(ATTEMPTS_PATCH):
+            if _is_cancellation(exc) or _refusal(exc) or not job.numbered:
                 await self._refused_or_parked(exc, why)
             # No answer, but the launch may have landed: the cluster says whether it has the job.
             found = await self._find_attempt(cluster, job.nonce)
@@ -1115,7 +1123,7 @@ class JobWorkflow:
     async def _follow(self, cluster: str, remote: ControllerJobStatus) -> _Retry | None:
         """Follow the attempt to its end. None: the job ended (its handle too); a ``_Retry``: the
         attempt failed, or its cluster lost it, and the job has a retry left for that."""
-        if not workflow.patched(ATTEMPTS_PATCH):  # runs begun before attempts were numbered
+        if not self._job.numbered:  # runs begun before attempts were numbered
             await self._mirror_to_end(cluster, remote)
             return None
         job = self._job

@@ -678,7 +678,11 @@ class FederationStore:
 
         "Current" is judged by ``reports`` (the policy's ``live_reservations``), except that a
         reservation charged to an observation newer than the one ``reports`` show for its backend
-        is kept: a caller holding an older view must not free capacity spent since.
+        is kept: a caller holding an older view must not free capacity spent since. A reservation
+        of a job still promoted but not yet handed off (PENDING_HANDOFF) is carried forward to
+        its backend's newer observation instead: the cluster cannot count the job before it has
+        received it, and dropping the reservation then would offer its capacity twice (a burst of
+        jobs classified to run at home, say, while each start changes home's observation).
         """
         seen: dict[tuple[str, str], int] = {}
         for report in reports:
@@ -690,13 +694,34 @@ class FederationStore:
         def body(conn: Connection) -> int:
             current = [_row_reservation(r) for r in conn.execute(select(reservations_table))]
             live = {_reservation_key(r) for r in live_reservations(current, reports)}
-            gone = [
+            promoted = set(
+                conn.execute(
+                    select(job_handles.c.job_id).where(
+                        job_handles.c.state == HandleState.PENDING_HANDOFF.value
+                    )
+                ).scalars()
+            )
+            outdated = [
                 r
                 for r in current
                 if _reservation_key(r) not in live
                 and r.observation_epoch_ms <= seen.get((r.peer_id, r.backend_id), r.observation_epoch_ms)
             ]
+            gone = [r for r in outdated if r.job_id not in promoted]
             t = reservations_table
+            for r in outdated:
+                newer = seen.get((r.peer_id, r.backend_id))
+                if r.job_id in promoted and newer is not None and newer > r.observation_epoch_ms:
+                    conn.execute(
+                        update(t)
+                        .where(
+                            t.c.job_id == r.job_id,
+                            t.c.peer_id == r.peer_id,
+                            t.c.backend_id == r.backend_id,
+                            t.c.observation_epoch_ms == r.observation_epoch_ms,
+                        )
+                        .values(observation_epoch_ms=newer)
+                    )
             for r in gone:
                 # Matched on the full key, so only the row this decision was about is deleted.
                 conn.execute(

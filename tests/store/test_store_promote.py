@@ -166,7 +166,9 @@ def test_two_jobs_for_one_backends_eight_gpus(store: FederationStore) -> None:
     assert "has 0 h100 left for band interactive" in lost.message and lost.message.endswith("needs 8")
     assert [h.job_id for h in store.queued()] == ["b"]
 
-    # The peer's next observation already reflects job a; pruning frees the ledger for it.
+    # Job a is handed off, and the peer's next observation already reflects it; pruning frees the
+    # ledger for it.
+    assert store.set_state("a", "inc-1", HandleState.HANDED_OFF) is not None
     newer = [report(PEER, gpu_backend(free=8, epoch=EPOCH + 1000))]
     store.save_reports(newer)
     assert store.prune_reservations(store.load_reports()) == 1
@@ -228,6 +230,8 @@ def test_prune_keeps_current_and_unreachable_reservations(store: FederationStore
     assert store.promote("on-gcp", "inc-1", placement("on-gcp", peer="gcp-b"), NOW).promoted
 
     assert store.prune_reservations(store.load_reports()) == 0
+    for job_id in ("on-cw", "on-gcp"):
+        assert store.set_state(job_id, "inc-1", HandleState.HANDED_OFF) is not None
     # gcp-b goes dark: its reservation stays (its observation may still be current when it returns).
     store.save_reports([report("gcp-b", reachable=False)])
     assert store.prune_reservations(store.load_reports()) == 0
@@ -244,7 +248,30 @@ def test_prune_with_an_older_view_keeps_newer_charges(store: FederationStore) ->
     # A tick that loaded EPOCH before the newer report landed must not free what "a" spent.
     assert store.prune_reservations(old_view) == 0
     assert store.prune_reservations(store.load_reports()) == 0
+    assert store.set_state("a", "inc-1", HandleState.HANDED_OFF) is not None
     assert store.prune_reservations([report(PEER, gpu_backend(free=8, epoch=EPOCH + 6))]) == 1
+
+
+def test_a_job_promoted_but_not_yet_handed_off_keeps_its_charge_across_observations(
+    store: FederationStore,
+) -> None:
+    """Its cluster cannot count it before receiving it: the reservation moves to the newer
+    observation instead of leaving the ledger, so its capacity is not offered twice."""
+    store.save_reports([report(PEER, gpu_backend(free=8))])
+    store.enqueue(handle("a", submit_ms=1))
+    store.enqueue(handle("b", submit_ms=2))
+    assert store.promote("a", "inc-1", placement("a"), NOW).promoted
+    # Another change on the backend (not job a, which has not arrived yet): a new observation.
+    store.save_reports([report(PEER, gpu_backend(free=8, epoch=EPOCH + 7))])
+    assert store.prune_reservations(store.load_reports()) == 0
+    assert [(r.job_id, r.observation_epoch_ms) for r in store.reservations()] == [("a", EPOCH + 7)]
+    lost = store.promote("b", "inc-1", placement("b", epoch=EPOCH + 7), NOW)
+    assert lost.outcome is PromoteOutcome.NO_CAPACITY
+    # Once a is handed off and a later observation counts it, its charge leaves the ledger.
+    assert store.set_state("a", "inc-1", HandleState.HANDED_OFF) is not None
+    store.save_reports([report(PEER, gpu_backend(free=0, epoch=EPOCH + 8))])
+    assert store.prune_reservations(store.load_reports()) == 1
+    assert store.reservations() == []
 
 
 def test_ledger_survives_reopening(stores: Stores) -> None:
