@@ -288,6 +288,7 @@ SCENARIOS = [
     Scenario("bundled_handed_off", bundled_handed_off),
     Scenario("launch_reply_lost", launch_reply_lost, alone=True),
     Scenario("failure_retried", failure_retried),
+    Scenario("local_through_the_ledger", local),
     Scenario("launch_replies_all_lost", launch_replies_all_lost, alone=True),
 ]
 MANAGER = "placement_manager"

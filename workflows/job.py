@@ -708,7 +708,11 @@ class JobWorkflow:
         await asyncio.shield(job.enqueue_op)
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
+        """The backend to name when nothing chose one: the best of the cluster's reported backends,
+        else of its configured ones (a cluster unreachable when the view was read reports none)."""
         report = view.report(cluster)
+        if report is not None and not report.backends and view.configured.get(cluster):
+            report = report.model_copy(update={"backends": view.configured[cluster]})
         chosen = pick_backend(self._job.spec.shape(), report) if report is not None else None
         if chosen is None and report is not None and report.backends:
             chosen = report.backends[0].backend_id
@@ -828,6 +832,9 @@ class JobWorkflow:
                     replay = await self._park(stopped, cluster, backend)
                 except _Adopted as adopted:
                     cluster, remote = adopted.cluster, adopted.remote
+                    if remote.terminal:
+                        # Ended before the answer came: its output still has to be relayed home.
+                        remote = await self._read_remote(cluster)
                 else:
                     cluster, backend = await self._replay_target(view, cluster, backend, replay)
                     continue
@@ -1127,8 +1134,8 @@ class JobWorkflow:
             await self._mirror_to_end(cluster, remote)
             return None
         job = self._job
-        end, reason, exit_code = await self._follow_attempt(cluster, remote)
-        self._attempt_ended(end, reason, exit_code)
+        end, reason, last = await self._follow_attempt(cluster, remote)
+        self._attempt_ended(end, reason, last.exit_code if last is not None else None)
         retries = {
             AttemptEnd.FAILED: (job.failures_retried, job.spec.max_retries_failure, "--max-retries-failure"),
             AttemptEnd.PREEMPTED: (
@@ -1147,22 +1154,26 @@ class JobWorkflow:
             AttemptEnd.SUCCEEDED: JobState.SUCCEEDED,
             AttemptEnd.KILLED: JobState.KILLED,
         }.get(end, JobState.FAILED)
-        if final is not job.status.state or end in (AttemptEnd.PREEMPTED, AttemptEnd.TIMEOUT) or retries:
-            self._set(final, reason)
+        # Shown only now: an attempt that is retried never shows the job as ended.
+        if last is not None:
+            self._apply(last)
+        self._set(final, reason)
         await self._record_end(None)
         return None
 
     async def _follow_attempt(
         self, cluster: str, remote: ControllerJobStatus
-    ) -> tuple[AttemptEnd, str, int | None]:
+    ) -> tuple[AttemptEnd, str, ControllerJobStatus | None]:
         """Mirror the attempt on ``cluster`` until it ends (docs/DESIGN.md, "Mirroring"); a cancel
-        terminates it there. Ends with how it ended, why, and its exit code."""
+        terminates it there. Ends with how it ended, why, and the cluster's last word on it (None
+        if the cluster lost it); its end is left for the caller to show."""
         job = self._job
         nonce = job.nonce
         terminated = False
         silent_since: int | None = None
         report_s = min(30.0, job.lost_after_s / 4)
-        self._apply(remote)
+        if not remote.terminal:
+            self._apply(remote)
         while not remote.terminal:
             if job.cancel is not None and not terminated:
                 terminated = True
@@ -1178,7 +1189,8 @@ class JobWorkflow:
                     nonce=nonce,
                     known_state=remote.state.value,
                     log_key=log_key(job.spec.job_id, job.attempt),
-                    report_unreachable_s=report_s,
+                    # Silent already: report again when peer_lost_after is reached, not later.
+                    report_unreachable_s=self._report_after(report_s, silent_since),
                     max_wait_s=_FOLLOW_MAX_WAIT.total_seconds(),
                 ),
                 start_to_close_timeout=_FOLLOW_MAX_WAIT + timedelta(minutes=5),
@@ -1215,17 +1227,19 @@ class JobWorkflow:
                 continue
             silent_since = None
             remote = followed.status
+            if remote.terminal:
+                break
             self._apply(remote)
-            if not remote.terminal and not terminated:
+            if not terminated:
                 backend = job.status.backend_id or ""
                 await self._continue_as_new(Phase.FOLLOWING, cluster=cluster, backend=backend, remote=remote)
         end = attempt_end(remote.state, remote.error)
+        _, reason = self._shown(remote, cluster)
         if job.cancel is not None and remote.state is ControllerJobState.KILLED:
-            self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
-        reason = job.status.reason
+            reason = f"Cancelled on {cluster}: {job.cancel.reason}"
         if end is AttemptEnd.TIMEOUT:
             reason = f"Failed on {cluster}: timeout ({job.spec.timeout_s:g}s)"
-        return end, reason, remote.exit_code
+        return end, reason, remote
 
     async def _next_attempt(self, view: FederationView, cluster: str, retry: _Retry) -> tuple[str, str]:
         """The next attempt goes through the queue again (same pin, else any eligible cluster)."""
@@ -1248,7 +1262,6 @@ class JobWorkflow:
 
     def _apply(self, remote: ControllerJobStatus) -> None:
         st = self._job.status
-        state = mirrored_state(remote.state)
         st.exit_code = remote.exit_code
         st.error = remote.error
         st.backend_id = remote.backend_id
@@ -1256,7 +1269,12 @@ class JobWorkflow:
             TaskView(index=t.index, state=t.state.value, exit_code=t.exit_code, slots=t.slots)
             for t in remote.tasks
         ]
-        cluster = st.cluster or ""
+        self._set(*self._shown(remote, st.cluster or ""))
+
+    @staticmethod
+    def _shown(remote: ControllerJobStatus, cluster: str) -> tuple[JobState, str]:
+        """The state and reason the job shows for its cluster's status ``remote``."""
+        state = mirrored_state(remote.state)
         reasons = {
             JobState.PENDING: f"Waiting for devices on {cluster}",
             JobState.RUNNING: f"Running on {cluster}",
@@ -1268,7 +1286,7 @@ class JobWorkflow:
         reason = reasons.get(state, state.value)
         if remote.error:
             reason = f"{reason}: {remote.error}"
-        self._set(state, reason)
+        return state, reason
 
     async def _mirror_to_end(self, cluster: str, remote: ControllerJobStatus) -> None:
         """Follow the job on ``cluster`` until it ends, then end its queue handle as it ended."""
@@ -1320,6 +1338,12 @@ class JobWorkflow:
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
         return handle.done() or self._cancel_unsent(terminated)
+
+    def _report_after(self, report_s: float, silent_since: int | None) -> float:
+        if silent_since is None:
+            return report_s
+        left = self._job.lost_after_s - (self._now_ms() - silent_since) / 1000
+        return max(0.0, min(report_s, left))
 
     def _cancel_unsent(self, terminated: bool) -> bool:
         """A cancel the attempt's cluster has not been told of yet."""

@@ -6,19 +6,17 @@
   job runs on one cluster only; a cancel stops it there once the peer answers, not before; a replay
   elsewhere is refused until the peer says whether it has the job (it has: adopted; it never got
   it: confirmed absent, and the replay runs it once elsewhere).
-- A peer lost for good while jobs run: they move to a new attempt elsewhere (within
-  peer_lost_after plus two ticks: a strict xfail, they move later), a job without preemption
-  retries fails saying why, and when the peer comes back its stale attempts are terminated there
-  (fences), never reported as the job's result.
+- A peer lost for good while jobs run: they move to a new attempt elsewhere within
+  peer_lost_after plus two ticks, a job without preemption retries fails saying why, and when the
+  peer comes back its stale attempts are terminated there (fences), never reported as the job's
+  result.
 - A task SIGKILLed on its peer is retried under --max-retries-failure; every attempt is in the
-  job's status and in ``iris job describe --json``.
+  job's status and in ``iris job describe --json``; between its attempts the job never shows as
+  ended.
 - A queued job whose workflow is terminated does not hold on to capacity: the next job gets it
   within three ticks.
-
-Strict xfails pin down defects of workflows/job.py (each reason says where): the output of
-a run adopted after it ended is never relayed home; a replay to a peer unreachable when the job was
-classified launches with no backend and hangs; an attempt on a silent peer is lost up to
-peer_lost_after/4 late. A fourth, that a job between two attempts shows FAILED for a moment.
+- The output of a run adopted after it ended is relayed home; a replay to a peer that was
+  unreachable when the job was classified runs there.
 
 What ran where is read from the controllers themselves (behind their proxies) and from the job
 processes on this machine (each carries ``IRIS_JOB_ID`` and ``IRIS_CLUSTER`` in its environment).
@@ -293,12 +291,6 @@ async def test_a_launch_that_reached_a_silent_peer_runs_on_that_cluster_only(
     assert job_processes(job_id) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workflows/job.py: _deliver follows an _Adopted status with _follow directly; when the "
-    "adopted run has already ended, _follow_attempt never calls follow_job, so its output is "
-    "never relayed home (a terminal launch answer is relayed through _read_remote in _hand_off)",
-)
 @pytest.mark.timeout(240)
 async def test_the_output_of_a_run_adopted_after_it_ended_is_relayed_home(
     stack: Stack, adopted: Adopted
@@ -417,13 +409,6 @@ async def test_a_launch_that_never_reached_the_peer_is_confirmed_absent_then_rep
     assert relayed(stack, job_id).strip() == f"{marker} {other}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workflows/job.py: _replay_target names the backend from the view read at "
-    "classification (_backend_for); a cluster unreachable then has no backends in it, so _launch "
-    "builds LaunchRequest(backend_id='') and the workflow task fails on every retry: the job hangs "
-    "in PENDING_HANDOFF",
-)
 @pytest.mark.timeout(180)
 async def test_a_replay_to_a_peer_that_was_unreachable_when_the_job_was_classified_runs_there(
     stack: Stack, jobs: list[str]
@@ -529,13 +514,6 @@ async def test_a_peer_lost_for_good_moves_its_jobs_and_its_stale_attempts_are_fe
     assert (await runs(stack, moving)).keys() == {RNO, EAST}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workflows/job.py _follow_attempt: after the pause that ends at peer_lost_after, the "
-    "silence is judged only when the next follow_job returns, i.e. after another "
-    "report_unreachable_s (peer_lost_after/4, at most 30 s) of silence: the attempt is lost "
-    "late by up to that much",
-)
 @pytest.mark.timeout(180)
 async def test_an_attempt_on_a_peer_lost_for_good_moves_within_peer_lost_after_and_two_ticks(
     stack: Stack, jobs: list[str], monkeypatch: pytest.MonkeyPatch
@@ -636,13 +614,6 @@ async def shown_states(stack: Stack, job_id: str) -> list[str]:
     return states
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workflows/job.py _follow_attempt applies the failed attempt's end (_apply: FAILED, "
-    "'Failed on X (exit code 137)') before _follow decides to retry: until the requeue's local "
-    "activity returns, the job shows FAILED, a terminal state (IrisState upserted, status query): "
-    "`iris job run` and AsyncIrisClient.wait can report FAILED for a job that then runs again",
-)
 @pytest.mark.timeout(180)
 async def test_a_job_between_two_attempts_is_never_shown_as_ended(
     stack: Stack, jobs: list[str], tmp_path: Path

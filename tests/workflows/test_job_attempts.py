@@ -272,6 +272,8 @@ async def test_a_failed_attempt_is_retried_within_max_retries_failure(fed: Feder
     st = await fed.skip_to_end(handle)
 
     assert st.state is JobState.SUCCEEDED
+    # Between the attempts the job never showed as ended.
+    assert JobState.FAILED not in [e.state for e in st.events]
     assert [(a.end, a.exit_code) for a in st.attempts] == [
         (AttemptEnd.FAILED.value, -9),
         (AttemptEnd.SUCCEEDED.value, 0),
