@@ -23,7 +23,14 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from cli.ops import replay_histories, workflow_type_of
-from workflows.job import BUNDLE_PATCH, LOCAL_STEPS_PATCH, TERMINAL_LAUNCH_PATCH, JobWorkflow
+from workflows.job import (
+    ATTEMPTS_PATCH,
+    BUNDLE_PATCH,
+    HOME_LEDGER_PATCH,
+    LOCAL_STEPS_PATCH,
+    TERMINAL_LAUNCH_PATCH,
+    JobWorkflow,
+)
 from workflows.placement import PlacementManager
 from workflows.runner import workflow_runner
 
@@ -40,7 +47,15 @@ REQUIRED = {
     "placement_manager",
 }
 # Paths added later, each behind its own patch: the history must show the patched path was taken.
-PATCHED_PATHS = {"bundled_handed_off": BUNDLE_PATCH, "launch_reply_lost": TERMINAL_LAUNCH_PATCH}
+PATCHED_PATHS = {
+    "bundled_handed_off": BUNDLE_PATCH,
+    "launch_reply_lost": TERMINAL_LAUNCH_PATCH,
+    # Issue 15: numbered attempts (a failed attempt retried; every launch reply lost, reconciled),
+    # and a local job's home capacity taken through the ledger.
+    "failure_retried": ATTEMPTS_PATCH,
+    "launch_replies_all_lost": ATTEMPTS_PATCH,
+    "local_through_the_ledger": HOME_LEDGER_PATCH,
+}
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}
 HISTORY_DIR = Path(__file__).parent / "histories"
