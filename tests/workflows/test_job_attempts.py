@@ -99,6 +99,7 @@ async def test_a_park_with_an_unknown_outcome_names_the_cluster_and_refuses_a_re
         assert f"may be running on {PEER}" in refusal(refused)
         assert "--force" in refusal(refused)
     assert fed.fake.delivered == 1
+    fed.fake.silent.clear()  # so the test's leftover cancel is confirmed at once
 
 
 async def test_a_parked_job_whose_cluster_answers_again_is_adopted_not_run_twice(fed: Federation) -> None:
