@@ -1406,7 +1406,19 @@ class JobWorkflow:
             await self._cancel_before_handoff()
         if st.state is JobState.HANDOFF_FAILED:
             await self._finish(JobState.KILLED, await self._stop_maybe_running())
-        await self._follow(st.cluster, await self._read_remote(st.cluster))
+        cluster = st.cluster
+        try:
+            remote = await self._read_remote(cluster)
+        except ActivityError as exc:
+            cause = exc.cause
+            lost = isinstance(cause, ApplicationError) and cause.type == contract.JOB_LOST
+            if not (lost and job.numbered):
+                raise
+            # The cluster has forgotten the job: nothing is left to terminate there.
+            reason = f"Killed; {cluster} no longer knows the job"
+            self._attempt_ended(AttemptEnd.KILLED, reason, None)
+            await self._finish(JobState.KILLED, reason)
+        await self._follow(cluster, remote)
 
 
 __all__ = ("JobWorkflow",)

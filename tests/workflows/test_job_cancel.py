@@ -219,6 +219,27 @@ async def test_a_job_its_cluster_forgets_after_the_termination_ends_killed(fed: 
     assert (st.state, st.reason) == (JobState.KILLED, f"Killed; {PEER} no longer knows the job")
 
 
+async def test_a_temporal_cancel_of_a_job_its_cluster_has_forgotten_ends_killed(fed: Federation) -> None:
+    """The cluster lost the job (a restart without its state, say) and then the Web UI cancels it:
+    nothing is left to terminate, and the workflow ends the job instead of failing."""
+    fake = fed.fake
+    fake.mirror = []
+    spec = gpu_spec("forgotten-then-cancelled", fed.now_ms)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await wait_for_state(handle, JobState.RUNNING)
+    fake.hold(contract.MIRROR_JOB)  # the read that follows a Temporal cancel
+
+    await handle.cancel()
+    await fake.reached(contract.MIRROR_JOB)
+    fake.forget(PEER, spec.job_id)
+    fake.release(contract.MIRROR_JOB)
+    st = await fed.result(handle)
+
+    assert (st.state, st.reason) == (JobState.KILLED, f"Killed; {PEER} no longer knows the job")
+    assert [a.end for a in st.attempts] == ["KILLED"]
+
+
 async def test_the_status_query_says_a_cancel_was_requested_while_it_is_carried_out(fed: Federation) -> None:
     fake = fed.fake
     fake.mirror = []
