@@ -74,7 +74,9 @@ class _Gcs:
 
         try:
             return fn()
-        except (gexc.NotFound, gexc.Forbidden):
+        except (gexc.NotFound, gexc.Forbidden, gexc.PreconditionFailed):
+            # Answers, not outages (PreconditionFailed: a create-if-absent lost to a writer of the
+            # same key, e.g. two submits of one workspace at once).
             raise
         except gexc.GoogleAPIError as exc:
             raise StoreUnavailable(f"GCS {type(exc).__name__}") from None

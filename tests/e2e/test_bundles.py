@@ -435,3 +435,21 @@ async def test_a_bundle_the_peer_refuses_ends_the_job_handoff_rejected(stack: St
     assert final.state is JobState.HANDOFF_REJECTED, final.reason
     assert "cw-us-east-02a refused workspace bundle" in final.reason and "not a regular file" in final.reason
     assert final.handoff_attempts == 0
+
+
+async def test_concurrent_writers_of_one_bundle_key_all_succeed_and_one_writes(stack: Stack) -> None:
+    """Six submits of one workspace at once write its content-addressed key concurrently: one
+    create-if-absent wins, the others are told it exists (not an outage), on GCS and on S3."""
+    home = stack.config.home_cluster.object_store
+    peer = stack.config.cluster("cw-rno2a").object_store
+    assert home is not None and peer is not None
+    for config, environ in ((home, None), (peer, {"K": "test", "S": "test"})):
+        if environ is not None:
+            config = config.model_copy(update={"access_key_env": "K", "secret_key_env": "S"})
+        store = open_store(config, environ=environ)
+        key = f"race/{uuid.uuid4().hex}"
+        written = await asyncio.gather(
+            *(asyncio.to_thread(store.put, key, b"same bytes", if_absent=True) for _ in range(6))
+        )
+        assert sorted(written) == [False] * 5 + [True], (config.kind, written)
+        assert store.get(key) == b"same bytes"

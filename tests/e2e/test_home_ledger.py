@@ -12,8 +12,7 @@ from stack import Stack
 
 from iris.jobs import JobState
 
-HOME_SLOTS = 16  # marin: two CPU backends of 8 slots (config/clusters.toml)
-JOBS = 100
+JOBS = 100  # home has 16 CPU slots (two backends of 8, config/clusters.toml)
 
 
 async def test_a_burst_of_cpu_jobs_never_waits_at_home_while_a_peer_has_room(stack: Stack) -> None:
@@ -28,9 +27,9 @@ async def test_a_burst_of_cpu_jobs_never_waits_at_home_while_a_peer_has_room(sta
     # A job that ran at home never waited there for a slot: home took only what it had room for.
     waited = [s for s in home if any(e.state is JobState.PENDING for e in s.events)]
     assert waited == [], [(s.job_id, s.disposition, [e.message for e in s.events]) for s in waited[:2]]
-    # Classified local: at most home's slots at once; the rest were queued at submit.
-    local = [s for s in finals if s.disposition == "local"]
-    assert 0 < len(local) <= HOME_SLOTS, len(local)
+    # Home took what it had room for at submit (later submits find freed slots); the rest queued.
+    dispositions = Counter(s.disposition for s in finals)
+    assert dispositions["local"] > 0 and dispositions["queue"] > 0, dispositions
     # The peers' CPU slots took their share of the burst.
     peers = Counter(s.cluster for s in finals if s.cluster != stack.config.home)
     assert set(peers) == {"cw-us-east-02a", "cw-rno2a"}, peers

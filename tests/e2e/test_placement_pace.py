@@ -40,6 +40,14 @@ def enqueue(store: FederationStore, name: str, **kw: object) -> str:
     return spec.job_id
 
 
+class WorkflowlessTick(PlacementActivities):
+    """The real tick over handles this test enqueued without workflows: a signal to a missing
+    workflow would abandon its handle (docs/DESIGN.md, "The tick"); here the signals go nowhere."""
+
+    async def _signal(self, job_id: str, name: str, arg: object) -> bool:
+        return False
+
+
 async def tick(env: ActivityEnvironment, ticks: PlacementActivities, cap: int | None) -> TickOutcome:
     return await env.run(ticks.placement_tick, TickInput(max_per_peer=cap))
 
@@ -47,7 +55,7 @@ async def tick(env: ActivityEnvironment, ticks: PlacementActivities, cap: int | 
 async def test_an_unanswered_offer_is_not_repeated_until_its_lease_lapses(
     stack: Stack, own_store: FederationStore
 ) -> None:
-    ticks = PlacementActivities(stack.config, own_store, offer_lease_s=2.0)
+    ticks = WorkflowlessTick(stack.config, own_store, offer_lease_s=2.0)
     env = ActivityEnvironment(client=stack.client)
     jobs = [enqueue(own_store, f"pace-{i}", target_cluster="cw-us-east-02a") for i in range(3)]
     first = await tick(env, ticks, 1)
@@ -79,7 +87,7 @@ async def test_what_an_unanswered_offer_would_reserve_is_held_in_the_next_tick(
         return block is not None and block.amounts.get("h100") == 8
 
     await wait_until(rno2a_idle, timeout=60, what="cw-rno2a's 8 H100s to be free")
-    ticks = PlacementActivities(stack.config, own_store)
+    ticks = WorkflowlessTick(stack.config, own_store)
     env = ActivityEnvironment(client=stack.client)
     a = enqueue(own_store, "hold-a", target_cluster="cw-rno2a", device_type="h100", gpu_count=8)
     b = enqueue(own_store, "hold-b", target_cluster="cw-rno2a", device_type="h100", gpu_count=8)

@@ -299,8 +299,9 @@ class RecordingTick(PlacementActivities):
         super().__init__(*args)
         self.sent: list[tuple[str, str, object]] = []
 
-    async def _signal(self, job_id: str, name: str, arg: object) -> None:
+    async def _signal(self, job_id: str, name: str, arg: object) -> bool:
         self.sent.append((job_id, name, arg))
+        return False  # every job's workflow is there: nothing abandoned
 
 
 def queue(store: FederationStore) -> None:

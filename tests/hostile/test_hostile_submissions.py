@@ -89,7 +89,12 @@ CLI_CASES: list[CliCase] = [
     run_case("env-non-utf8", "--env", b"K=\xff\xfe", expect="must be a UTF-8 string"),
     run_case("invalid-band", "--priority", "urgent", expect="unknown priority band 'urgent'"),
     run_case("negative-deadline", "--scheduling-timeout", "-5m", expect="between 1s and 30 days"),
-    run_case("deadline-not-a-duration", "--scheduling-timeout", "soon", expect="invalid duration 'soon'"),
+    run_case(
+        "deadline-not-a-duration",
+        "--scheduling-timeout",
+        "soon",
+        expect="invalid --scheduling-timeout 'soon'",
+    ),
     run_case("deadline-nan", "--scheduling-timeout", "nan", expect="between 1s and 30 days"),
     run_case("command-non-utf8", command=("echo", b"\xff\xfe"), expect="command is not valid UTF-8"),
     run_case("command-empty-string", command=("",), expect="no command given"),
