@@ -41,7 +41,16 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactInput, ArtifactReport
-from activities.peers import LaunchInput, MirrorInput, TerminateInput
+from activities.peers import (
+    AttemptFound,
+    FindInput,
+    FindResult,
+    FollowInput,
+    FollowResult,
+    LaunchInput,
+    MirrorInput,
+    TerminateInput,
+)
 from activities.store import EnqueueInput, PromoteInput, StoreActivities
 from iris import contract
 from iris.client import build_spec, execute_update
@@ -152,6 +161,25 @@ class StubPeer:
                 pass
         done = ControllerJobState.KILLED if job_id in self.terminated else ControllerJobState.SUCCEEDED
         return self._status(job_id, done)
+
+    @activity.defn(name=contract.FOLLOW_JOB)
+    async def follow_job(self, inp: FollowInput) -> FollowResult:
+        """The attempt followed as ``mirror_job`` mirrors it (the peer never goes silent here)."""
+        mirrored = await self.mirror_job(
+            MirrorInput(cluster=inp.cluster, job_id=inp.job_id, known_state=inp.known_state)
+        )
+        return FollowResult(status=mirrored)
+
+    @activity.defn(name=contract.FIND_ATTEMPT)
+    async def find_attempt(self, inp: FindInput) -> FindResult:
+        if self.launches[inp.job_id] == 0:
+            return FindResult(found=AttemptFound.ABSENT)
+        return FindResult(
+            found=AttemptFound.HERE,
+            status=await self.mirror_job(
+                MirrorInput(cluster=inp.cluster, job_id=inp.job_id, known_state=None)
+            ),
+        )
 
     @activity.defn(name=contract.TERMINATE_JOB)
     async def terminate_job(self, inp: TerminateInput) -> PeerJobStatus | None:
@@ -353,6 +381,8 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
             peer.fetch_reports,
             peer.launch_job,
             peer.mirror_job,
+            peer.follow_job,
+            peer.find_attempt,
             peer.terminate_job,
             peer.check_artifacts,
             queue.enqueue_and_tell,
@@ -361,6 +391,7 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
             queue.expire_job,
             queue.set_handle_state,
             queue.requeue_job,
+            queue.record_fence,
         ],
         max_concurrent_activities=100,
     )
