@@ -1197,11 +1197,7 @@ class JobWorkflow:
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=_MIRROR_RETRY,
             )
-            await workflow.wait_condition(functools.partial(self._mirror_wakeup, handle, terminated))
-            if not handle.done():
-                handle.cancel()
-                with contextlib.suppress(ActivityError, asyncio.CancelledError):
-                    await handle
+            if not await self._done_before_cancel(handle, terminated):
                 continue
             followed = await handle
             if followed.gone:
@@ -1313,11 +1309,7 @@ class JobWorkflow:
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=_MIRROR_RETRY,
             )
-            await workflow.wait_condition(functools.partial(self._mirror_wakeup, handle, terminated))
-            if not handle.done():
-                handle.cancel()
-                with contextlib.suppress(ActivityError, asyncio.CancelledError):
-                    await handle
+            if not await self._done_before_cancel(handle, terminated):
                 continue
             try:
                 remote = await handle
@@ -1335,6 +1327,17 @@ class JobWorkflow:
             self._apply(remote)
         if job.cancel is not None and remote.state is ControllerJobState.KILLED:
             self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
+
+    async def _done_before_cancel(self, handle: workflow.ActivityHandle[Any], terminated: bool) -> bool:
+        """Wait for the mirroring activity; a cancel the cluster has not been told of yet stops it
+        first (False: the caller terminates the job, then mirrors again)."""
+        await workflow.wait_condition(functools.partial(self._mirror_wakeup, handle, terminated))
+        if handle.done():
+            return True
+        handle.cancel()
+        with contextlib.suppress(ActivityError, asyncio.CancelledError):
+            await handle
+        return False
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
         return handle.done() or self._cancel_unsent(terminated)
