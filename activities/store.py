@@ -7,6 +7,7 @@ live in the store (the CAS) and the policy (capacity), not here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,8 @@ class HandleStateInput(BaseModel):
     incarnation: str
     state: HandleState
     reason: str | None = None
+    # HANDED_OFF: the cluster's clock when it accepted the job (its JobStatus.created_ms).
+    counted_from_ms: int | None = None
 
 
 class FenceInput(BaseModel):
@@ -120,7 +123,16 @@ class StoreActivities:
     @activity.defn(name=contract.SET_HANDLE_STATE)
     async def set_handle_state(self, inp: HandleStateInput) -> None:
         try:
-            await asyncio.to_thread(self._store.set_state, inp.job_id, inp.incarnation, inp.state, inp.reason)
+            await asyncio.to_thread(
+                functools.partial(
+                    self._store.set_state,
+                    inp.job_id,
+                    inp.incarnation,
+                    inp.state,
+                    inp.reason,
+                    counted_from_ms=inp.counted_from_ms,
+                )
+            )
         except StoreConflict as exc:  # a refused transition is an answer, not an outage: never retried
             raise ApplicationError(str(exc), type=contract.STORE_CONFLICT, non_retryable=True) from None
 

@@ -476,13 +476,19 @@ class JobWorkflow:
             method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY
         )
 
-    async def _handle_state(self, state: HandleState, reason: str | None = None) -> None:
+    async def _handle_state(
+        self, state: HandleState, reason: str | None = None, *, counted_from_ms: int | None = None
+    ) -> None:
         job = self._job
         try:
             await self._store_step(
                 StoreActivities.set_handle_state,
                 HandleStateInput(
-                    job_id=job.spec.job_id, incarnation=job.incarnation, state=state, reason=reason
+                    job_id=job.spec.job_id,
+                    incarnation=job.incarnation,
+                    state=state,
+                    reason=reason,
+                    counted_from_ms=counted_from_ms,
                 ),
             )
         except (ActivityError, ApplicationError) as exc:
@@ -864,7 +870,8 @@ class JobWorkflow:
         else:
             self._event(JobState.HANDED_OFF, f"Accepted by the home cluster {cluster}")
         if job.queued:
-            await self._handle_state(HandleState.HANDED_OFF)
+            # The cluster's own clock at acceptance: its capacity reports count the job from then.
+            await self._handle_state(HandleState.HANDED_OFF, counted_from_ms=launched.created_ms)
         if launched.terminal and workflow.patched(TERMINAL_LAUNCH_PATCH):
             # A launch repeated after a lost reply can find the job already ended: its output
             # still has to be relayed home, which the mirror does before it reports an end.

@@ -69,6 +69,9 @@ reservations = Table(
     Column("amounts", Text, nullable=False),
     Column("band", Integer),
     Column("created_ms", BigInteger, nullable=False),
+    # Set at handoff: the cluster's clock when it accepted the job. An observation of the backend
+    # older than this cannot count the job yet, so the reservation stays charged until one does.
+    Column("counted_from_ms", BigInteger),
 )
 
 # Also the per-peer lock row that serializes promotions on PostgreSQL.
@@ -158,9 +161,14 @@ def _m002_fences(conn: Connection) -> None:
     )
 
 
+def _m003_counted_from(conn: Connection) -> None:
+    conn.exec_driver_sql("ALTER TABLE reservations ADD COLUMN counted_from_ms BIGINT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial federation store", _m001_initial),
     Migration(2, "fences of attempts left on silent clusters", _m002_fences),
+    Migration(3, "when a handed-off job's cluster counts it", _m003_counted_from),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -542,12 +542,21 @@ class FederationStore:
         return self._run(body)
 
     def set_state(
-        self, job_id: str, incarnation: str, state: HandleState, reason: str | None = None
+        self,
+        job_id: str,
+        incarnation: str,
+        state: HandleState,
+        reason: str | None = None,
+        *,
+        counted_from_ms: int | None = None,
     ) -> JobHandle | None:
         """Record HANDED_OFF, HANDOFF_FAILED or a terminal state; None for an unknown or stale handle.
 
         A terminal handle is final: it is returned unchanged. A terminal state releases the job's
         reservations. A queued handle cannot be handed off (promote it first): ``StoreConflict``.
+        ``counted_from_ms`` (HANDED_OFF) is the cluster's clock when it accepted the job: the
+        reservation stays charged until an observation at least that new counts the job
+        (``prune_reservations``).
         """
         if state in (HandleState.QUEUED_HANDOFF, HandleState.PENDING_HANDOFF):
             raise ValueError(f"{state} is set by enqueue/requeue and promote, not set_state")
@@ -556,7 +565,12 @@ class FederationStore:
             handle = _locked(conn, job_id, incarnation)
             if handle is None:
                 return None
-            if handle.state.terminal or (handle.state is state and reason in (None, handle.reason)):
+            if handle.state.terminal:
+                return handle
+            if counted_from_ms is not None and state is HandleState.HANDED_OFF:
+                t = reservations_table
+                conn.execute(update(t).where(t.c.job_id == job_id).values(counted_from_ms=counted_from_ms))
+            if handle.state is state and reason in (None, handle.reason):
                 return handle
             if handle.state is HandleState.QUEUED_HANDOFF and not state.terminal:
                 raise StoreConflict(f"job {job_id} is still queued; it cannot be {state} before promotion")
@@ -682,7 +696,10 @@ class FederationStore:
         of a job still promoted but not yet handed off (PENDING_HANDOFF) is carried forward to
         its backend's newer observation instead: the cluster cannot count the job before it has
         received it, and dropping the reservation then would offer its capacity twice (a burst of
-        jobs classified to run at home, say, while each start changes home's observation).
+        jobs classified to run at home, say, while each start changes home's observation). So is
+        the reservation of a handed-off job while the newer observation is older than the moment
+        its cluster accepted it (``counted_from_ms``): a report taken before the launch but stored
+        after the handoff does not count the job either.
         """
         seen: dict[tuple[str, str], int] = {}
         for report in reports:
@@ -692,7 +709,9 @@ class FederationStore:
                     seen[(report.peer_id, backend.backend_id)] = block.observation_epoch_ms
 
         def body(conn: Connection) -> int:
-            current = [_row_reservation(r) for r in conn.execute(select(reservations_table))]
+            rows = list(conn.execute(select(reservations_table)))
+            current = [_row_reservation(r) for r in rows]
+            counted_from = {row.job_id: row.counted_from_ms for row in rows}
             live = {_reservation_key(r) for r in live_reservations(current, reports)}
             promoted = set(
                 conn.execute(
@@ -707,11 +726,20 @@ class FederationStore:
                 if _reservation_key(r) not in live
                 and r.observation_epoch_ms <= seen.get((r.peer_id, r.backend_id), r.observation_epoch_ms)
             ]
-            gone = [r for r in outdated if r.job_id not in promoted]
+
+            def uncounted(r: Reservation) -> bool:
+                """Its cluster's newest observation cannot count the job yet."""
+                if r.job_id in promoted:
+                    return True
+                since = counted_from.get(r.job_id)
+                newer = seen.get((r.peer_id, r.backend_id))
+                return since is not None and newer is not None and newer < since
+
+            gone = [r for r in outdated if not uncounted(r)]
             t = reservations_table
             for r in outdated:
                 newer = seen.get((r.peer_id, r.backend_id))
-                if r.job_id in promoted and newer is not None and newer > r.observation_epoch_ms:
+                if uncounted(r) and newer is not None and newer > r.observation_epoch_ms:
                     conn.execute(
                         update(t)
                         .where(
@@ -967,16 +995,25 @@ def _charge(
         )
     observation = block.observation_epoch_ms
     t = reservations_table
-    ledger = [
-        _row_reservation(r)
-        for r in conn.execute(
-            select(t).where(
-                t.c.peer_id == peer_id,
-                t.c.backend_id == backend_id,
-                t.c.observation_epoch_ms == observation,
-                t.c.job_id != handle.job_id,
-            )
+    rows = conn.execute(
+        select(t, job_handles.c.state)
+        .join(job_handles, job_handles.c.job_id == t.c.job_id, isouter=True)
+        .where(
+            t.c.peer_id == peer_id,
+            t.c.backend_id == backend_id,
+            t.c.observation_epoch_ms <= observation,
+            t.c.job_id != handle.job_id,
         )
+    )
+    # The charges against this observation, and those against an older one that this observation
+    # cannot count yet (prune_reservations carries them forward, but a report stored by the tick
+    # is read here before the tick prunes): the job not yet handed off, or accepted after it.
+    ledger = [
+        _row_reservation(r).model_copy(update={"observation_epoch_ms": observation})
+        for r in rows
+        if r.observation_epoch_ms == observation
+        or r.state == HandleState.PENDING_HANDOFF.value
+        or (r.counted_from_ms is not None and r.counted_from_ms > observation)
     ]
     capacity = working_capacity(peer_id, backend, ledger)
     assert capacity is not None  # usable_block above

@@ -34,10 +34,10 @@ def _reserved(store: FederationStore) -> set[str]:
     return {r.job_id for r in store.reservations()}
 
 
-# ---- migration 2 -----------------------------------------------------------------------------
+# ---- migrations 2 and 3 -----------------------------------------------------------------------
 
 
-def test_migration_2_applies_to_a_store_created_at_schema_1(stores: Stores) -> None:
+def test_migrations_apply_to_a_store_created_at_schema_1(stores: Stores) -> None:
     # A database as the code before issue 15 left it: migration 1 only, with a job in it.
     old = handle("old")
     with _raw(stores) as conn:
@@ -54,18 +54,27 @@ def test_migration_2_applies_to_a_store_created_at_schema_1(stores: Stores) -> N
                 ),
                 {"shape": old.shape.model_dump_json(), "band": int(old.band)},
             )
+            conn.execute(
+                text(
+                    "INSERT INTO reservations (job_id, peer_id, backend_id, observation_epoch_ms,"
+                    " amounts, band, created_ms) VALUES ('old', :peer, 'b', 5, '{\"h100\": 8}', 2, 0)"
+                ),
+                {"peer": PEER},
+            )
         with conn.begin():
             assert recorded_versions(conn) == [1]
             tables = _tables(conn, stores)
         assert "fences" not in tables
 
     store = stores.open()
-    assert store.schema_versions() == [1, 2] == [m.version for m in MIGRATIONS]
+    assert store.schema_versions() == [1, 2, 3] == [m.version for m in MIGRATIONS]
     assert store.get("old") == old.model_copy(update={"updated_ms": 0})
     store.add_fence("old", "n1", PEER)
     assert [(f.job_id, f.nonce, f.cluster) for f in store.fences()] == [("old", "n1", PEER)]
+    # The reservation written before migration 3 is kept; it has no acceptance time yet.
+    assert [(r.job_id, r.amounts) for r in store.reservations()] == [("old", {"h100": 8})]
     # Opening again applies nothing more.
-    assert stores.open().schema_versions() == [1, 2]
+    assert stores.open().schema_versions() == [1, 2, 3]
 
 
 def _tables(conn: Connection, stores: Stores) -> set[str]:

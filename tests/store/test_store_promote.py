@@ -286,3 +286,50 @@ def test_ledger_survives_reopening(stores: Stores) -> None:
     second = stores.open()
     assert [r.job_id for r in second.reservations()] == ["a"]
     assert second.promote("b", "inc-1", placement("b"), NOW).outcome is PromoteOutcome.NO_CAPACITY
+
+
+def test_a_handed_off_job_keeps_its_charge_until_an_observation_counts_it(
+    store: FederationStore,
+) -> None:
+    """A report taken before the cluster accepted the job but stored after the handoff does not
+    count the job: dropping its reservation then would offer its capacity twice (a burst of jobs
+    run at home waited there for slots)."""
+    store.save_reports([report(PEER, gpu_backend(free=8))])
+    store.enqueue(handle("a", submit_ms=1))
+    store.enqueue(handle("b", submit_ms=2))
+    assert store.promote("a", "inc-1", placement("a"), NOW).promoted
+    # The cluster accepted job a at EPOCH + 10 by its own clock.
+    assert store.set_state("a", "inc-1", HandleState.HANDED_OFF, counted_from_ms=EPOCH + 10) is not None
+    # An observation from before the acceptance arrives late: the charge moves to it.
+    store.save_reports([report(PEER, gpu_backend(free=8, epoch=EPOCH + 9))])
+    assert store.prune_reservations(store.load_reports()) == 0
+    assert [(r.job_id, r.observation_epoch_ms) for r in store.reservations()] == [("a", EPOCH + 9)]
+    assert (
+        store.promote("b", "inc-1", placement("b", epoch=EPOCH + 9), NOW).outcome
+        is PromoteOutcome.NO_CAPACITY
+    )
+    # The first observation that counts job a frees the ledger.
+    store.save_reports([report(PEER, gpu_backend(free=0, epoch=EPOCH + 10))])
+    assert store.prune_reservations(store.load_reports()) == 1
+    assert store.reservations() == []
+
+
+def test_a_promotion_before_the_prune_still_counts_charges_the_new_observation_cannot(
+    store: FederationStore,
+) -> None:
+    """The tick stores a report, then prunes: a promotion between the two must count the charges
+    still on the older observation whose jobs the new one cannot count (it over-committed home's
+    CPU slots in a burst: a job ran at home only after waiting for a slot)."""
+    store.save_reports([report(PEER, gpu_backend(free=16))])
+    for job_id in ("a", "b", "c"):
+        store.enqueue(handle(job_id))
+    assert store.promote("a", "inc-1", placement("a"), NOW).promoted  # not yet handed off
+    assert store.promote("b", "inc-1", placement("b"), NOW).promoted
+    assert store.set_state("b", "inc-1", HandleState.HANDED_OFF, counted_from_ms=EPOCH + 5) is not None
+    # A new observation, taken before either job arrived, is stored; no prune has run yet.
+    store.save_reports([report(PEER, gpu_backend(free=16, epoch=EPOCH + 3))])
+    refused = store.promote("c", "inc-1", placement("c", epoch=EPOCH + 3), NOW)
+    assert refused.outcome is PromoteOutcome.NO_CAPACITY, refused.message
+    # An observation as new as b's acceptance counts b: only a's charge is left against it.
+    store.save_reports([report(PEER, gpu_backend(free=16, epoch=EPOCH + 6))])
+    assert store.promote("c", "inc-1", placement("c", epoch=EPOCH + 6), NOW).promoted
