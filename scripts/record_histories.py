@@ -262,6 +262,33 @@ async def launch_replies_all_lost(stack: Stack) -> str:
     return job_id
 
 
+async def earlier_attempt_succeeded(stack: Stack) -> str:
+    # A pinned job's peer goes silent past peer_lost_after while the job runs; it finishes there
+    # meanwhile. Attempt 2 waits for the pinned peer; when the peer answers again, attempt 1's
+    # success is the result and nothing runs twice (EARLIER_ATTEMPT_PATCH).
+    proxy = stack.proxies["cw-rno2a"]
+    saved = stack.config.peer_lost_after_s
+    stack.config.peer_lost_after_s = 8.0
+    try:
+        await asyncio.sleep(0.6)  # the worker reuses a federation view for 0.5 s
+        job_id = await _submit(
+            stack, "won-while-lost", ["sh", "-c", "sleep 3; echo once"], target_cluster="cw-rno2a"
+        )
+        await _state(stack, job_id, JobState.RUNNING)
+        proxy.refuse()
+        deadline = time.monotonic() + 60
+        while (await stack.iris.describe(job_id)).attempts[0].end is None:
+            assert time.monotonic() < deadline, "attempt 1 was never lost"
+            await asyncio.sleep(0.5)
+        await proxy.heal()
+        status = await _state(stack, job_id, JobState.SUCCEEDED, within=60)
+        assert [a.end for a in status.attempts] == ["SUCCEEDED"], status.attempts
+    finally:
+        stack.config.peer_lost_after_s = saved
+        await proxy.heal()
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -290,6 +317,7 @@ SCENARIOS = [
     Scenario("failure_retried", failure_retried),
     Scenario("local_through_the_ledger", local),
     Scenario("launch_replies_all_lost", launch_replies_all_lost, alone=True),
+    Scenario("earlier_attempt_succeeded", earlier_attempt_succeeded, alone=True),
 ]
 MANAGER = "placement_manager"
 

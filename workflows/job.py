@@ -130,6 +130,10 @@ HOME_LEDGER_PATCH = "home-ledger-v1"
 # of a long wait (queued, following an attempt, parked), carrying a _Carry (docs/DESIGN.md,
 # "Bounded histories").
 CONTINUE_PATCH = "continue-as-new-v1"
+# Runs with this patch, before a later attempt on a cluster that lost an earlier one, ask that
+# cluster how the earlier attempt ended: one that succeeded while the cluster was silent is the
+# job's result (no second run), one still running there is terminated first (as before).
+EARLIER_ATTEMPT_PATCH = "earlier-attempt-v1"
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
 _EVENTS_HEAD = 20
@@ -833,6 +837,9 @@ class JobWorkflow:
                     raise _Parked(reason, resumed=True)
                 else:
                     remote = await self._hand_off(view, cluster, backend)
+            except _Adopted as earlier:
+                # An earlier attempt succeeded on the cluster this one was about to go to.
+                cluster, remote = earlier.cluster, await self._relay_end(earlier.cluster, earlier.remote)
             except _Parked as stopped:
                 try:
                     replay = await self._park(stopped, cluster, backend)
@@ -840,7 +847,7 @@ class JobWorkflow:
                     cluster, remote = adopted.cluster, adopted.remote
                     if remote.terminal:
                         # Ended before the answer came: its output still has to be relayed home.
-                        remote = await self._read_remote(cluster)
+                        remote = await self._relay_end(cluster, remote)
                 else:
                     cluster, backend = await self._replay_target(view, cluster, backend, replay)
                     continue
@@ -875,7 +882,7 @@ class JobWorkflow:
         if launched.terminal and workflow.patched(TERMINAL_LAUNCH_PATCH):
             # A launch repeated after a lost reply can find the job already ended: its output
             # still has to be relayed home, which the mirror does before it reports an end.
-            launched = await self._read_remote(cluster)
+            launched = await self._relay_end(cluster, launched)
         return launched
 
     async def _check_artifacts(self, cluster: str) -> None:
@@ -962,10 +969,39 @@ class JobWorkflow:
 
     async def _clear_stale(self, cluster: str) -> None:
         """Before a later attempt on ``cluster``: an earlier attempt there that its cluster lost
-        (silent) may be running again; it is stopped first (a cluster runs one attempt at a time)."""
-        for earlier in self._job.status.attempts:
-            if earlier.cluster == cluster and earlier.end == AttemptEnd.PREEMPTED.value:
+        (silent) may be running again; it is stopped first (a cluster runs one attempt at a time).
+        One that ended SUCCEEDED while its cluster was silent is the job's result: ``_Adopted``,
+        and no new run starts (docs/DESIGN.md, "Attempts")."""
+        job = self._job
+        for earlier in list(job.status.attempts):
+            if earlier.cluster != cluster or earlier.end != AttemptEnd.PREEMPTED.value:
+                continue
+            if not (job.numbered and workflow.patched(EARLIER_ATTEMPT_PATCH)):
                 await self._terminate(cluster, earlier.nonce)
+                continue
+            found = await self._find_attempt(cluster, earlier.nonce)
+            if found.found is AttemptFound.ABSENT:
+                continue  # the cluster holds nothing of that attempt any more
+            status = found.status
+            if found.found is not AttemptFound.HERE or status is None or not status.terminal:
+                await self._terminate(cluster, earlier.nonce)
+                continue
+            end = attempt_end(status.state, status.error)
+            if end is AttemptEnd.SUCCEEDED:
+                self._event(
+                    job.status.state,
+                    f"attempt {earlier.number} succeeded on {cluster} while {cluster} was silent: "
+                    "its result stands, and no new run starts",
+                )
+                # The earlier attempt is the job's again: its output is relayed under its number.
+                job.attempt = earlier.number
+                earlier.end = earlier.ended_ms = earlier.reason = None
+                raise _Adopted(cluster, status)
+            self._event(
+                job.status.state,
+                f"attempt {earlier.number} had ended on {cluster} while {cluster} was silent "
+                f"({end.value.lower()})",
+            )
 
     def _attempt_started(self, cluster: str, backend: str) -> None:
         """The attempt being delivered, as ``describe`` lists it (one entry per cluster and nonce)."""
@@ -986,9 +1022,12 @@ class JobWorkflow:
         )
 
     def _attempt_ended(self, end: AttemptEnd, reason: str, exit_code: int | None) -> None:
-        if not self._job.status.attempts:
+        attempts = self._job.status.attempts
+        if not attempts:
             return
-        current = self._job.status.attempts[-1]
+        # The current attempt: the latest, unless an earlier one was adopted (``_clear_stale``).
+        nonce = self._job.nonce
+        current = next((a for a in reversed(attempts) if a.nonce == nonce), attempts[-1])
         current.end, current.reason, current.exit_code = end.value, reason, exit_code
         current.ended_ms = self._now_ms()
 
@@ -1389,18 +1428,37 @@ class JobWorkflow:
         return True
 
     async def _read_remote(self, cluster: str) -> ControllerJobStatus:
-        """The job as its cluster has it now, with its output relayed home if it has ended."""
+        """The job as its cluster has it now, with its output relayed home if it has ended. With
+        attempts, a cluster silent for peer_lost_after fails it (an ActivityError that is not a
+        cancellation): the caller decides what the silence means."""
+        job = self._job
         return await workflow.execute_activity_method(
             PeerActivities.mirror_job,
             MirrorInput(
                 cluster=cluster,
-                job_id=self._job.spec.job_id,
+                job_id=job.spec.job_id,
                 known_state=None,
-                log_key=log_key(self._job.spec.job_id, self._job.attempt),
+                log_key=log_key(job.spec.job_id, job.attempt),
             ),
             start_to_close_timeout=_QUICK,
+            schedule_to_close_timeout=timedelta(seconds=job.lost_after_s) if job.numbered else None,
             retry_policy=_MIRROR_RETRY,
         )
+
+    async def _relay_end(self, cluster: str, ended: ControllerJobStatus) -> ControllerJobStatus:
+        """An attempt ``cluster`` reported ended, with its output relayed home. If the cluster
+        then stays silent for peer_lost_after, its end stands and the output stays there."""
+        try:
+            return await self._read_remote(cluster)
+        except ActivityError as exc:
+            if _is_cancellation(exc) or not self._job.numbered:
+                raise
+            self._event(
+                self._job.status.state,
+                f"{cluster} reported attempt {self._job.attempt} {ended.state.value} but has not "
+                f"answered since ({exc.cause or exc}); its output was not relayed home",
+            )
+            return ended
 
     async def _after_temporal_cancel(self) -> None:
         job = self._job
@@ -1420,12 +1478,16 @@ class JobWorkflow:
         try:
             remote = await self._read_remote(cluster)
         except ActivityError as exc:
-            cause = exc.cause
-            lost = isinstance(cause, ApplicationError) and cause.type == contract.JOB_LOST
-            if not (lost and job.numbered):
+            if _is_cancellation(exc) or not job.numbered:
                 raise
-            # The cluster has forgotten the job: nothing is left to terminate there.
-            reason = f"Killed; {cluster} no longer knows the job"
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == contract.JOB_LOST:
+                # The cluster has forgotten the job: nothing is left to terminate there.
+                reason = f"Killed; {cluster} no longer knows the job"
+            else:
+                # Silent for peer_lost_after: the attempt is terminated there when it answers.
+                await self._fence(cluster, job.nonce)
+                reason = f"Cancelled; {cluster} is silent: the job is fenced there"
             self._attempt_ended(AttemptEnd.KILLED, reason, None)
             await self._finish(JobState.KILLED, reason)
         await self._follow(cluster, remote)

@@ -26,6 +26,7 @@ from cli.ops import replay_histories, workflow_type_of
 from workflows.job import (
     ATTEMPTS_PATCH,
     BUNDLE_PATCH,
+    EARLIER_ATTEMPT_PATCH,
     HOME_LEDGER_PATCH,
     LOCAL_STEPS_PATCH,
     TERMINAL_LAUNCH_PATCH,
@@ -55,6 +56,8 @@ PATCHED_PATHS = {
     "failure_retried": ATTEMPTS_PATCH,
     "launch_replies_all_lost": ATTEMPTS_PATCH,
     "local_through_the_ledger": HOME_LEDGER_PATCH,
+    # A pinned job's attempt that succeeded on a peer while it was lost is the result (no re-run).
+    "earlier_attempt_succeeded": EARLIER_ATTEMPT_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}

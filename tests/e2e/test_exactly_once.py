@@ -538,6 +538,44 @@ async def test_an_attempt_on_a_peer_lost_for_good_moves_within_peer_lost_after_a
     assert moved_after <= lost_after + 2 * stack.config.tick_interval_s, f"moved after {moved_after:.1f}s"
 
 
+@pytest.mark.timeout(180)
+async def test_a_pinned_job_that_succeeded_on_a_peer_lost_for_good_is_not_run_again_when_it_returns(
+    stack: Stack, jobs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer finishes the job while it is silent; attempt 1 is lost (peer_lost_after) and
+    attempt 2 waits for the pinned peer. When the peer returns, its answer for attempt 1 is the
+    job's result: no second run, and attempt 1's output is relayed home."""
+    lost_after = await shorten_lost_after(stack, monkeypatch, LOST_AFTER_S)
+    marker = uuid.uuid4().hex
+    code = "import sys, time; time.sleep(3); print(sys.argv[1], flush=True)"
+    job_id = await submit(stack, jobs, ["python", "-c", code, marker], "won-while-lost", target_cluster=RNO)
+    await until(stack, job_id, lambda s: s.state is JobState.RUNNING, "running", 60)
+
+    stack.proxies[RNO].refuse()
+    st = await until(
+        stack,
+        job_id,
+        lambda s: len(s.attempts) >= 1 and s.attempts[0].end is not None,
+        "lost",
+        lost_after + 30,
+    )
+    assert st.attempts[0].end == AttemptEnd.PREEMPTED.value, st.attempts
+    async with direct(stack, RNO) as ctl:
+        remote = await ctl.status(job_id)
+    assert (remote.state, remote.nonce) == (ControllerJobState.SUCCEEDED, nonce(st, 1)), remote
+    await stack.proxies[RNO].heal()
+    done = await until(stack, job_id, lambda s: s.terminal, "ended once its peer returned", 60)
+
+    assert (done.state, done.cluster) == (JobState.SUCCEEDED, RNO), done.reason
+    assert [(a.number, a.cluster, a.end) for a in done.attempts] == [(1, RNO, AttemptEnd.SUCCEEDED.value)]
+    async with direct(stack, RNO) as ctl:
+        remote = await ctl.status(job_id)
+    # One run on the peer: the controller still holds attempt 1's, and counts one launch.
+    assert (remote.nonce, remote.attempts) == (nonce(st, 1), 1), remote
+    assert relayed(stack, job_id, 1).strip() == marker
+    assert "succeeded on cw-rno2a while cw-rno2a was silent" in events(done)
+
+
 # ---- 3. a task killed on its peer --------------------------------------------------------------
 
 

@@ -241,6 +241,8 @@ class FakeFederation:
     finds: list[tuple[str, str]] = field(default_factory=list)
     # Jobs whose output the mirror relayed home when it reported their end.
     relayed: list[str] = field(default_factory=list)
+    # The log key each relay by mirror_job wrote (an attempt's output goes under its own number).
+    relayed_keys: list[str] = field(default_factory=list)
     # The job as each cluster has it (cluster, job id) → status.
     remote: dict[tuple[str, str], RemoteStatus] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
@@ -417,21 +419,27 @@ class FakeFederation:
         self._notify()
         return status
 
-    def _reported(self, key: tuple[str, str], status: RemoteStatus) -> RemoteStatus:
+    def _reported(
+        self, key: tuple[str, str], status: RemoteStatus, log_key: str | None = None
+    ) -> RemoteStatus:
         if status.terminal:
             self.relayed.append(key[1])
+            if log_key is not None:
+                self.relayed_keys.append(log_key)
         return status
 
     @activity.defn(name=contract.MIRROR_JOB)
     async def mirror_job(self, inp: MirrorInput) -> RemoteStatus:
         await self._enter(contract.MIRROR_JOB)
         self.mirror_calls.append((inp.cluster, inp.known_state))
+        if inp.cluster in self.silent:
+            raise ApplicationError(f"{inp.cluster}: connection refused")
         key = (inp.cluster, inp.job_id)
         current = self.remote.get(key)
         if current is None:
             raise job_lost(inp.cluster, inp.job_id)
         if inp.known_state is None or current.terminal:
-            return self._reported(key, current)
+            return self._reported(key, current, inp.log_key)
         if self.mirror:
             step = self.mirror.pop(0)
             if isinstance(step, Exception):

@@ -24,6 +24,7 @@ from job_doubles import (
 from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
+from iris import contract
 from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.jobs import AttemptEnd, CancelRequest, JobState, JobStatus, ReplayRequest, attempt_nonce
 from iris.store.models import HandleState
@@ -339,3 +340,120 @@ async def test_a_cancel_while_its_cluster_is_silent_is_not_reported_before_the_c
     assert st.state is JobState.KILLED
     assert fake.remote_state(PEER, spec.job_id) is ControllerJobState.KILLED
     assert fake.fences == []
+
+
+# ---- a cluster that comes back after it lost an attempt ---------------------------------------------
+
+
+async def lost_then_queued_again(
+    fed: Federation, name: str, **kw: Any
+) -> tuple[Any, WorkflowHandle[Any, JobStatus]]:
+    """A job pinned to cw-a runs there; cw-a goes silent past peer_lost_after, so attempt 1 is
+    lost (fenced) and attempt 2 waits in the queue for cw-a."""
+    fake = fed.fake
+    fake.mirror = []
+    spec = gpu_spec(name, fed.now_ms, target_cluster=PEER, **kw)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await wait_for_state(handle, JobState.RUNNING)
+    fake.silent.add(PEER)
+    await queued_again(fed, handle, skip_s=30.0)
+    return spec, handle
+
+
+async def test_an_attempt_that_succeeded_while_its_cluster_was_silent_is_the_result_not_run_again(
+    fed: Federation,
+) -> None:
+    """The cluster ran attempt 1 to success during its silence: when attempt 2 is placed there,
+    the cluster's answer for attempt 1 is the job's result. No second run; attempt 1's output is
+    relayed under its own number."""
+    fake = fed.fake
+    spec, handle = await lost_then_queued_again(fed, "won-while-silent")
+    fake.set_remote_state(PEER, spec.job_id, ControllerJobState.SUCCEEDED)
+    fake.silent.discard(PEER)
+    await fed.place(handle)
+    st = await fed.skip_to_end(handle)
+
+    assert (st.state, st.cluster, st.reason) == (JobState.SUCCEEDED, PEER, f"Succeeded on {PEER}")
+    assert fake.deliveries == [(PEER, nonce(spec, 1))]
+    assert [(a.number, a.end, a.exit_code) for a in st.attempts] == [(1, AttemptEnd.SUCCEEDED.value, 0)]
+    assert fake.relayed_keys == [spec.job_id]  # attempt 1's log key
+    assert fake.handle_ends[-1] is HandleState.SUCCEEDED
+    assert any(f"attempt 1 succeeded on {PEER} while {PEER} was silent" in m for m in messages(st))
+
+
+async def test_an_attempt_that_failed_while_its_cluster_was_silent_is_followed_by_the_new_run(
+    fed: Federation,
+) -> None:
+    fake = fed.fake
+    spec, handle = await lost_then_queued_again(fed, "failed-while-silent")
+    fake.set_remote_state(PEER, spec.job_id, ControllerJobState.FAILED)
+    fake.silent.discard(PEER)
+    fake.mirror = [ControllerJobState.SUCCEEDED]
+    await fed.place(handle)
+    st = await fed.skip_to_end(handle)
+
+    assert st.state is JobState.SUCCEEDED
+    assert fake.deliveries == [(PEER, nonce(spec, 1)), (PEER, nonce(spec, 2))]
+    assert [(a.number, a.end) for a in st.attempts] == [
+        (1, AttemptEnd.PREEMPTED.value),
+        (2, AttemptEnd.SUCCEEDED.value),
+    ]
+    assert any(f"attempt 1 had ended on {PEER} while {PEER} was silent (failed)" in m for m in messages(st))
+
+
+async def test_an_attempt_still_running_on_the_returning_cluster_is_terminated_before_the_new_run(
+    fed: Federation,
+) -> None:
+    fake = fed.fake
+    spec, handle = await lost_then_queued_again(fed, "ran-on-while-silent")
+    fake.silent.discard(PEER)
+    fake.mirror = [ControllerJobState.SUCCEEDED]
+    await fed.place(handle)
+    st = await fed.skip_to_end(handle)
+
+    assert st.state is JobState.SUCCEEDED
+    assert fake.deliveries == [(PEER, nonce(spec, 1)), (PEER, nonce(spec, 2))]
+    assert fake.terminations == [PEER]  # attempt 1, by its nonce, before attempt 2 launched
+
+
+# ---- a cluster lost right after it reported the end -------------------------------------------------
+
+
+async def test_an_end_whose_output_cannot_be_read_stands_once_the_cluster_is_lost(fed: Federation) -> None:
+    """The launch answers that the job has ended (a repeated launch after a lost reply finds it
+    so), and the cluster is lost before the output is read: the relay gives up after
+    peer_lost_after, and the cluster's word on the end stands."""
+    fake = fed.fake
+    fake.launch = [Accept(ControllerJobState.SUCCEEDED)]
+    fake.hold(contract.MIRROR_JOB)
+    spec = gpu_spec("ended-then-lost", fed.now_ms)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await fake.reached(contract.MIRROR_JOB)
+    fake.silent.add(PEER)
+    fake.release(contract.MIRROR_JOB)
+    st = await wait_for(handle, lambda s: s.terminal, "ended", env=fed.env, skip_s=30.0, timeout=20)
+
+    assert (st.state, st.cluster) == (JobState.SUCCEEDED, PEER)
+    assert [(a.number, a.end) for a in st.attempts] == [(1, AttemptEnd.SUCCEEDED.value)]
+    assert any("its output was not relayed home" in m for m in messages(st))
+    assert fake.relayed == []
+
+
+async def test_a_temporal_cancel_while_the_cluster_is_lost_fences_the_attempt_and_ends_killed(
+    fed: Federation,
+) -> None:
+    fake = fed.fake
+    fake.mirror = []
+    spec = gpu_spec("cancel-lost-cluster", fed.now_ms)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await wait_for_state(handle, JobState.RUNNING)
+    fake.silent.add(PEER)
+    await handle.cancel()
+    st = await wait_for(handle, lambda s: s.terminal, "ended", env=fed.env, skip_s=30.0, timeout=20)
+
+    assert st.state is JobState.KILLED
+    assert st.reason == f"Cancelled; {PEER} is silent: the job is fenced there"
+    assert fake.fences == [(PEER, nonce(spec, 1))]
