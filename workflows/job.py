@@ -1200,6 +1200,9 @@ class JobWorkflow:
             AttemptEnd.SUCCEEDED: JobState.SUCCEEDED,
             AttemptEnd.KILLED: JobState.KILLED,
         }.get(end, JobState.FAILED)
+        if end is AttemptEnd.PREEMPTED and job.cancel is not None:
+            # Lost while a cancel was on its way (its cluster restarted, say): the job was cancelled.
+            final, reason = JobState.KILLED, f"Cancelled: {job.cancel.reason}; the attempt was lost: {reason}"
         # Shown only now: an attempt that is retried never shows the job as ended.
         if last is not None:
             self._apply(last)

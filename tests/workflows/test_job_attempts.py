@@ -457,3 +457,27 @@ async def test_a_temporal_cancel_while_the_cluster_is_lost_fences_the_attempt_an
     assert st.state is JobState.KILLED
     assert st.reason == f"Cancelled; {PEER} is silent: the job is fenced there"
     assert fake.fences == [(PEER, nonce(spec, 1))]
+
+
+async def test_a_cancelled_job_whose_attempt_is_lost_meanwhile_ends_killed_not_failed(
+    fed: Federation,
+) -> None:
+    """The terminate is on its way when the cluster reports the task lost (WORKER_FAILED, e.g. its
+    controller restarted): the user cancelled the job, and it ends KILLED saying both."""
+    fake = fed.fake
+    fake.mirror = []
+    spec = gpu_spec("cancel-then-lost", fed.now_ms)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await wait_for_state(handle, JobState.RUNNING)
+    fake.hold(contract.TERMINATE_JOB)
+    await handle.signal(JobWorkflow.cancel, CancelRequest(reason="stop"))
+    await fake.reached(contract.TERMINATE_JOB)
+    fake._set_remote((PEER, spec.job_id), Remote(ControllerJobState.WORKER_FAILED, None, "node lost"))
+    fake.release(contract.TERMINATE_JOB)
+    st = await fed.skip_to_end(handle)
+
+    assert st.state is JobState.KILLED, st.reason
+    assert st.reason.startswith("Cancelled: stop; the attempt was lost"), st.reason
+    assert [(a.number, a.end) for a in st.attempts] == [(1, AttemptEnd.PREEMPTED.value)]
+    assert fake.deliveries == [(PEER, nonce(spec, 1))]
