@@ -16,7 +16,8 @@ import typer
 from cli import common
 from iris import devstack
 from iris.config import CONFIG_ENV, DEFAULT_DATA_DIR, PROJECT_ROOT, FederationConfig, config_path, store_url
-from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
+from iris.controller.identity import KEY_DIR_ENV
+from iris.keydirs import provision_key_dirs
 
 # The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
 RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
@@ -138,10 +139,11 @@ def dev_command(
     data_dir.mkdir(parents=True, exist_ok=True)
     # This process hosts the worker: the home cluster's credentials only (each controller gets its own).
     os.environ.update(devstack.store_credentials(cfg, cfg.home))
-    # Each cluster's signing key pair, created on first start (docs/DESIGN.md, "Where secrets live");
-    # children inherit the dir.
-    key_dir = data_dir / "keys"
-    created = ensure_cluster_keys(cfg, key_dir)
+    # Each cluster's signing key pair, created on first start in that cluster's own directory
+    # (docs/DESIGN.md, "Where secrets live"): this process (the home worker) reads the home one,
+    # each controller its own; the others hold only public keys.
+    key_dirs = provision_key_dirs(cfg, data_dir / "keys")
+    created, key_dir = key_dirs.created, key_dirs.of(cfg.home)
     os.environ[KEY_DIR_ENV] = str(key_dir)
     # Ray heads start first: they take longest to come up.
     heads = [devstack.ray_head(spec, data_dir, name="Ray head") for spec in ray_specs]
@@ -150,14 +152,17 @@ def dev_command(
         devstack.temporal_server(cfg, data_dir, db_file=data_dir / "temporal.db"),
         devstack.s3_server(cfg, data_dir),
         devstack.gcs_server(cfg, data_dir),
-        *(devstack.controller(cfg_file, cfg, c.name, data_dir) for c in cfg.clusters),
+        *(
+            devstack.controller(cfg_file, cfg, c.name, data_dir, key_dir=key_dirs.of(c.name))
+            for c in cfg.clusters
+        ),
     ]
     started: list[devstack.ManagedProcess] = []
     code = common.EXIT_OK
     try:
         typer.echo(f"data directory: {data_dir}")
         if created:
-            typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dir}")
+            typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dirs.root}/<cluster>")
         for svc in services:
             started.append(svc)  # first: a signal between the two must still stop it
             svc.start()

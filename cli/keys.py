@@ -9,6 +9,7 @@ import typer
 
 from cli import common
 from iris.controller.identity import default_key_dir, ensure_cluster_keys, generate_keypair
+from iris.keydirs import provision_key_dirs
 
 keys_app = typer.Typer(help="Create the Ed25519 key pairs clusters sign handoffs with.", no_args_is_help=True)
 
@@ -36,8 +37,24 @@ def generate_command(
 
 
 @keys_app.command("ensure")
-def ensure_command(dir: KeyDir = None) -> None:
-    """Create every missing key pair the federation config names (what `iris dev` does at start)."""
+def ensure_command(
+    dir: KeyDir = None,
+    per_cluster: Annotated[
+        bool,
+        typer.Option(
+            "--per-cluster",
+            help="One directory per cluster, DIR/CLUSTER: its own private key and every cluster's "
+            "public key (what `iris dev` does). Point each cluster's processes at their own.",
+        ),
+    ] = False,
+) -> None:
+    """Create every missing key pair the federation config names."""
     key_dir = dir or default_key_dir()
-    created = ensure_cluster_keys(common.config(), key_dir)
+    if per_cluster:
+        dirs = provision_key_dirs(common.config(), key_dir)
+        created = dirs.created
+        for name, path in dirs.dirs.items():
+            typer.echo(f"{name}: {path}")
+    else:
+        created = ensure_cluster_keys(common.config(), key_dir)
     typer.echo(f"created keys for: {', '.join(created)}" if created else f"all keys present in {key_dir}")

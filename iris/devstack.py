@@ -27,6 +27,7 @@ import httpx
 
 from iris.config import FederationConfig
 from iris.contract import SEARCH_ATTRIBUTES
+from iris.controller.identity import KEY_DIR_ENV
 from iris.objectstore import open_store
 
 
@@ -115,6 +116,8 @@ class ManagedProcess:
     ready: Callable[[], bool]
     address: str
     env: dict[str, str] = field(default_factory=dict)
+    # Variables of this process's environment the child must not inherit (another cluster's secrets).
+    unset_env: Sequence[str] = ()
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
@@ -126,7 +129,7 @@ class ManagedProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
+            env={**{k: v for k, v in os.environ.items() if k not in self.unset_env}, **self.env},
             start_new_session=True,
         )
 
@@ -249,9 +252,19 @@ def gcs_server(config: FederationConfig, data_dir: Path) -> ManagedProcess:
 
 
 def controller(
-    config_file: Path, config: FederationConfig, cluster: str, data_dir: Path, *, port: int | None = None
+    config_file: Path,
+    config: FederationConfig,
+    cluster: str,
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    key_dir: Path | None = None,
 ) -> ManagedProcess:
-    """One cluster's controller; ``port`` overrides the configured one (e.g. behind a proxy)."""
+    """One cluster's controller; ``port`` overrides the configured one (e.g. behind a proxy).
+
+    ``key_dir``: the cluster's own key directory (iris/keydirs.py), holding its private key and
+    its peers' public keys only; None inherits ``$IRIS_KEY_DIR``.
+    """
     c = config.cluster(cluster)
     url = c.url if port is None else f"http://{c.host}:{port}"
     argv = [
@@ -267,14 +280,20 @@ def controller(
     ]
     if port is not None:
         argv += ["--port", str(port)]
+    env = store_credentials(config, cluster)
+    if key_dir is not None:
+        argv += ["--key-dir", str(key_dir)]
+        env[KEY_DIR_ENV] = str(key_dir)
     return ManagedProcess(
         name=f"controller {cluster}",
         argv=argv,
         log_path=data_dir / "logs" / f"controller-{cluster}.log",
         ready=lambda: http_ok(f"{url}/v1/health"),
         address=url,
-        # Its own store's credentials, and no other cluster's (docs/DESIGN.md, "Credentials").
-        env=store_credentials(config, cluster),
+        # Its own store's credentials, and no other cluster's, even if this process holds some
+        # (docs/DESIGN.md, "Credentials").
+        env=env,
+        unset_env=sorted(set(credential_env_names(config)) - set(env)),
     )
 
 
@@ -288,6 +307,15 @@ def store_credentials(config: FederationConfig, cluster: str) -> dict[str, str]:
     if store is not None and store.secret_key_env:
         env[store.secret_key_env] = f"{cluster}-secret"
     return env
+
+
+def credential_env_names(config: FederationConfig) -> list[str]:
+    """The names of every environment variable the config says holds a store credential."""
+    names: list[str] = []
+    for c in config.clusters:
+        if c.object_store is not None:
+            names += [n for n in (c.object_store.access_key_env, c.object_store.secret_key_env) if n]
+    return names
 
 
 def all_store_credentials(config: FederationConfig) -> dict[str, dict[str, str]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import budget
 import pytest
+from isolation import isolation_violations
 from stack import Backend, Stack, StackRunner
 
 pytest_plugins = ["graceful"]
@@ -82,7 +83,11 @@ def stack_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def running_stack(root: Path, backend: Backend, key_dir: Path) -> AsyncIterator[Stack]:
     runner = StackRunner(root, backend, key_dir=key_dir)
     try:
-        yield await runner.start()
+        stack = await runner.start()
+        yield stack
+        # After every test that used it: no process took another cluster's secret (acceptance 3 of
+        # issue 16, tests/e2e/test_credential_isolation.py checks it mid-suite too).
+        assert isolation_violations(stack) == []
     finally:
         await runner.stop()
 

@@ -28,7 +28,8 @@ from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig, load_config, store_url
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
-from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
+from iris.controller.identity import KEY_DIR_ENV
+from iris.keydirs import provision_key_dirs
 from iris.store import FederationStore
 from worker.main import build_worker, ensure_manager
 
@@ -100,7 +101,8 @@ class Stack:
     config: FederationConfig
     config_file: Path
     data_dir: Path
-    key_dir: Path
+    key_dir: Path  # the home worker's (the home cluster's) key directory
+    key_dirs: dict[str, Path]  # each cluster's own
     client: Client
     iris: AsyncIrisClient
     store: FederationStore
@@ -167,8 +169,9 @@ class StackRunner:
 
     ``backend`` chooses where the GPU peers run their jobs: ``"process"`` (``config/clusters.toml``)
     or ``"ray"`` (``config/clusters-ray.toml`` on a Ray head of this stack's own, on free ports).
-    ``key_dir`` holds the cluster keys; stacks sharing one test process must share it, since the
-    worker's activities read the key directory from ``$IRIS_KEY_DIR`` at each call.
+    ``key_dir`` holds one key directory per cluster (iris/keydirs.py); stacks sharing one test
+    process must share it, since the worker's activities read the home cluster's directory from
+    ``$IRIS_KEY_DIR`` at each call.
     """
 
     def __init__(self, root: Path, backend: Backend = "process", *, key_dir: Path | None = None) -> None:
@@ -210,8 +213,10 @@ class StackRunner:
         # This process hosts the worker: the home cluster's credentials only (each controller
         # gets its own from devstack.controller).
         os.environ.update(devstack.store_credentials(cfg, cfg.home))
-        key_dir = self.key_dir
-        ensure_cluster_keys(cfg, key_dir)
+        # One key directory per cluster (iris/keydirs.py): this process, the home worker, reads the
+        # home one; each controller only its own.
+        key_dirs = provision_key_dirs(cfg, self.key_dir)
+        key_dir = key_dirs.of(cfg.home)
         os.environ[KEY_DIR_ENV] = str(key_dir)
         # Each controller listens on an internal port; the federation reaches it through a fault
         # proxy on the configured port, so tests can inject an outage at the moment of handoff.
@@ -220,7 +225,9 @@ class StackRunner:
             devstack.s3_server(cfg, self.root),
             devstack.gcs_server(cfg, self.root),
             *(
-                devstack.controller(config_file, cfg, c.name, self.root, port=internal[c.name])
+                devstack.controller(
+                    config_file, cfg, c.name, self.root, port=internal[c.name], key_dir=key_dirs.of(c.name)
+                )
                 for c in cfg.clusters
             ),
         ]
@@ -245,6 +252,7 @@ class StackRunner:
             config_file=config_file,
             data_dir=self.root,
             key_dir=key_dir,
+            key_dirs=dict(key_dirs.dirs),
             client=self.env.client,
             iris=StackClient(self.env.client, cfg),
             store=self.store,
