@@ -58,3 +58,27 @@ def ensure_command(
     else:
         created = ensure_cluster_keys(common.config(), key_dir)
     typer.echo(f"created keys for: {', '.join(created)}" if created else f"all keys present in {key_dir}")
+
+
+@keys_app.command("tls")
+def tls_command(
+    dir: Annotated[Path, typer.Option("--dir", help="Where to write ca/, server/ and client/.")],
+    server_name: Annotated[
+        list[str],
+        typer.Option(
+            "--server-name", help="A name (or IP) the Temporal server certificate carries; repeatable."
+        ),
+    ],
+    client: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--client", help="A client certificate to make, in DIR/NAME (default: client); repeatable."
+        ),
+    ] = None,
+) -> None:
+    """Create, once, a CA and from it Temporal's server certificate and client certificates for
+    mutual TLS (what docker-compose.yml's keys service runs); never overwrites."""
+    from iris.tlscerts import ensure_tls
+
+    created = ensure_tls(dir, server_name, tuple(client or ["client"]))
+    typer.echo(f"created: {', '.join(created)}" if created else f"all certificates present in {dir}")

@@ -170,11 +170,33 @@ class ClusterConfig(BaseModel):
         return self
 
 
+class TemporalTLSConfig(BaseModel):
+    """TLS to Temporal's frontend (docs/DESIGN.md, "Where secrets live"): PEM file paths. With
+    ``server_ca`` the client verifies the server against that CA; with ``client_cert`` and
+    ``client_key`` it presents its own certificate (mutual TLS). ``server_name`` is the name the
+    server certificate must carry when it differs from the address's host."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server_ca: str = ""
+    client_cert: str = ""
+    client_key: str = ""
+    server_name: str = ""
+
+    @model_validator(mode="after")
+    def _pair(self) -> TemporalTLSConfig:
+        if bool(self.client_cert) != bool(self.client_key):
+            raise ValueError("client_cert and client_key go together")
+        return self
+
+
 class TemporalConfig(BaseModel):
     address: str = "127.0.0.1:7233"
     namespace: str = "default"
     task_queue: str = "iris-federation"
     ui_port: int = 8233
+    # None: plaintext (iris dev: the dev server listens on loopback only). docker-compose.yml sets it.
+    tls: TemporalTLSConfig | None = None
 
 
 class FederationConfig(BaseModel):
