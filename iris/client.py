@@ -291,6 +291,11 @@ def build_spec(
         validate_job_id(job_id)
     except ValueError as exc:
         raise InvalidJob(f"invalid job id {job_id[:80]!r}: {exc}") from None
+    if contract.is_internal_workflow_id(job_workflow_id(job_id)):
+        raise InvalidJob(
+            f"invalid job id {job_id[:80]!r}: it is reserved for the federation's own workflows; "
+            "choose another --job-name"
+        )
     return JobSpec(
         job_id=job_id,
         name=job_name,

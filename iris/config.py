@@ -140,7 +140,13 @@ class AuthConfig(BaseModel):
         if sum(bool(x) for x in (self.public_key_file, self.public_key_env, self.public_key)) > 1:
             raise ValueError("set at most one of public_key_file, public_key_env and public_key")
         for pattern in self.allowed_submitters:
-            if not pattern.strip() or ("*" in pattern and pattern != "*" and not pattern.startswith("*@")):
+            domain = pattern[2:] if pattern.startswith("*@") else None
+            if (
+                not pattern.strip()
+                or ("*" in pattern and pattern != "*" and domain is None)
+                or (domain is not None and (not domain or "*" in domain or "@" in domain))
+                or pattern.count("@") > 1
+            ):
                 raise ValueError(f"allowed_submitters entry {pattern!r}: use '*', '*@domain' or an identity")
         return self
 
@@ -155,8 +161,11 @@ class ClusterConfig(BaseModel):
     port: int = Field(ge=1, le=65535)
     backends: list[BackendConfig]
     object_store: ObjectStoreConfig | None = None
-    # None: the controller admits unsigned requests (local experiments only; it logs a warning).
+    # None: the controller admits unsigned requests (local experiments only: it refuses to start on
+    # a non-loopback address without it, and warns on loopback).
     auth: AuthConfig | None = None
+    # Serve /openapi.json, /docs and /redoc (behind the same authentication as the API); off by default.
+    api_docs: bool = False
 
     @property
     def url(self) -> str:

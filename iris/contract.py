@@ -49,6 +49,16 @@ def list_peers_workflow_id(unique: str) -> str:
     return _LIST_PEERS_ID_PREFIX + unique
 
 
+# Every workflow id the federation starts for itself begins with one of these; no job may take one.
+INTERNAL_WORKFLOW_ID_PREFIXES = (_MANAGER_ID_PREFIX, _LIST_PEERS_ID_PREFIX)
+
+
+def is_internal_workflow_id(workflow_id: str) -> bool:
+    """Whether ``workflow_id`` is, or could become, one of the federation's own workflows (the
+    placement manager, an RPC): a job holding it would keep that workflow from starting."""
+    return workflow_id.startswith(INTERNAL_WORKFLOW_ID_PREFIXES)
+
+
 # ---- messages ------------------------------------------------------------------------------------
 # JobWorkflow: signals from the placement tick (place, explain, expire) and the SDK (cancel); the
 # Updates an answer is needed for (cancel_job: did the cancel win?; replay_handoff: an operator's);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
 from activities.store import StoreActivities
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
-from iris.contract import manager_workflow_id, placement_task_queue
+from iris.contract import PLACEMENT_MANAGER, manager_workflow_id, placement_task_queue
 from iris.logrelay import LogRelay
 from iris.store import FederationStore
 from iris.temporal import connect
@@ -24,6 +25,8 @@ from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
 from workflows.runner import workflow_runner
+
+log = logging.getLogger("iris.worker")
 
 # Every workflow this worker runs; the determinism check replays histories against the same list.
 WORKFLOWS = (JobWorkflow, PlacementManager, ListPeersWorkflow)
@@ -114,14 +117,30 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
 
 
 async def ensure_manager(client: Client, config: FederationConfig) -> None:
-    """Start the placement manager unless it already runs (one per namespace)."""
-    await client.start_workflow(
-        PlacementManager.run,
-        ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
-        id=manager_workflow_id(config.temporal.task_queue),
-        task_queue=placement_task_queue(config.temporal.task_queue),
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        static_summary="Placement tick: queued jobs × peer capacity",
+    """Start the placement manager unless it already runs (one per namespace).
+
+    Another workflow type holding the manager's id (a raw Temporal start past the SDK's job-name
+    check) is terminated and the manager started in its place: USE_EXISTING alone would take the
+    impostor for the manager, and no job would ever be placed.
+    """
+    for _ in range(2):
+        handle = await client.start_workflow(
+            PlacementManager.run,
+            ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
+            id=manager_workflow_id(config.temporal.task_queue),
+            task_queue=placement_task_queue(config.temporal.task_queue),
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary="Placement tick: queued jobs × peer capacity",
+        )
+        desc = await handle.describe()
+        if desc.workflow_type == PLACEMENT_MANAGER:
+            return
+        log.warning(
+            "workflow %s (%s) holds the placement manager's id: terminating it", handle.id, desc.workflow_type
+        )
+        await handle.terminate(reason="this workflow id is reserved for the placement manager")
+    raise RuntimeError(
+        f"workflow id {manager_workflow_id(config.temporal.task_queue)} is held by another workflow"
     )
 
 

@@ -523,6 +523,14 @@ class JobWorkflow:
 
     @workflow.run
     async def run(self, spec: JobSpec, carry: Carry | None = None) -> JobStatus:
+        if contract.is_internal_workflow_id(workflow.info().workflow_id):
+            # A raw Temporal start past the SDK's check (docs/DESIGN.md, "The Temporal contract"):
+            # fail at once, before any command, so the id is free for the workflow it belongs to.
+            raise ApplicationError(
+                f"workflow id {workflow.info().workflow_id[:80]!r} is reserved for the federation's "
+                "own workflows: not a job id",
+                non_retryable=True,
+            )
         job = self._job
         if carry is None:
             job.local_steps = workflow.patched(LOCAL_STEPS_PATCH)

@@ -1,12 +1,14 @@
 """Run one cluster controller: ``python -m iris.controller --config FILE --cluster NAME --state-dir DIR``.
 
 A bad config, an unknown cluster or unusable keys print one line on stderr and exit with code 2
-before anything is started.
+before anything is started; so does a cluster without ``[clusters.auth]`` asked to bind a
+non-loopback address (docs/DESIGN.md, "Handoff and admission").
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 from pathlib import Path
@@ -14,6 +16,17 @@ from pathlib import Path
 from iris.config import ConfigError, load_config
 
 EXIT_BAD_CONFIG = 2
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds loopback only: ``localhost`` or a loopback IP literal. Anything else
+    (``0.0.0.0``, ``::``, a name that could resolve elsewhere) counts as reachable from outside."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"invalid port {port}")
         if args.kill_grace < 0:
             raise ConfigError("--kill-grace must be >= 0")
+        host = args.host or cluster.host
+        if cluster.auth is None and not is_loopback(host):
+            raise ConfigError(
+                f"cluster {cluster.name} has no [clusters.auth] section: refusing to serve "
+                f"unauthenticated on non-loopback address {host!r} (configure auth, or bind 127.0.0.1)"
+            )
         key_dir = args.key_dir or default_key_dir(args.state_dir.resolve().parent)
         app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)
     except ConfigError as exc:
@@ -83,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             app,
-            host=args.host or cluster.host,
+            host=host,
             port=port,
             log_config=None,  # keep our logging setup; one line per request comes from the app
             access_log=False,

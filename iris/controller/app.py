@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -115,6 +116,13 @@ def create_app(
             len(executor.jobs),
             "on" if admission.enabled else "OFF (no [clusters.auth] section)",
         )
+        if not admission.enabled:
+            # Once per start, at WARNING: the entry point refuses this on a non-loopback bind.
+            log.warning(
+                "controller %s admits every request unauthenticated (no [clusters.auth] section): "
+                "for local experiments on a loopback address only",
+                cluster.name,
+            )
         try:
             yield
         finally:
@@ -128,6 +136,14 @@ def create_app(
         description="Capacity reports, signed job handoff, job state, logs and termination.",
         lifespan=lifespan,
         responses=_ERROR_RESPONSES,
+        # Every body is capped as it streams in, before any route or its authentication runs: a
+        # chunked body has no length to refuse up front (docs/DESIGN.md, "Handoff and admission").
+        # The bundle upload raises its own route's cap, and reads only once its caller is verified.
+        max_body_size=MAX_BODY_BYTES,
+        # No unauthenticated schema or docs pages; `api_docs = true` serves them behind auth.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.admission = admission
 
@@ -144,6 +160,12 @@ def create_app(
             )
         else:
             response = await call_next(request)
+        if response.status_code >= 400 and (
+            request.headers.get("transfer-encoding") or length not in (None, "0")
+        ):
+            # A refused request's unread body is not drained to keep the connection alive: the
+            # server hangs up after the answer (docs/DESIGN.md, "Handoff and admission").
+            response.headers["connection"] = "close"
         caller = getattr(request.state, "caller", None)
         access_log.info(
             "%s %s -> %d in %.1fms caller=%s",
@@ -224,7 +246,12 @@ def create_app(
             raise NotFound(f"bundle {sha256} is not stored on cluster {cluster.name}")
         return info
 
-    @app.put(BUNDLES_PATH + "{sha256}", response_model=BundleInfo, tags=["bundles"])
+    @app.put(
+        BUNDLES_PATH + "{sha256}",
+        response_model=BundleInfo,
+        tags=["bundles"],
+        max_body_size=MAX_ARCHIVE_BYTES,
+    )
     async def put_bundle(
         sha256: str, request: Request, executor: ExecutorDep, caller: CallerDep
     ) -> BundleInfo:
@@ -289,5 +316,19 @@ def create_app(
         """Which of these artifacts this cluster cannot read in its own object store, checked with
         its own credentials (the handoff's artifact check; any verified caller may ask)."""
         return await check_artifacts(cluster, req.uris)
+
+    if cluster.api_docs:
+        # Off by default; when on, the schema and its pages need a verified caller like any route.
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi_schema(caller: CallerDep) -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def swagger_docs(caller: CallerDep) -> Response:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc_docs(caller: CallerDep) -> Response:
+            return get_redoc_html(openapi_url="/openapi.json", title=app.title)
 
     return app

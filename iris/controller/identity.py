@@ -288,12 +288,20 @@ class Caller:
 
 
 def submitter_matches(patterns: list[str], user: str) -> bool:
-    """``*`` anyone; ``*@domain`` that domain, case-insensitive; otherwise an exact identity."""
+    """``*`` anyone; ``*@domain`` that domain, case-insensitive; otherwise an exact identity.
+
+    Patterns match whole labels (docs/DESIGN.md, "Admission order"): ``*`` stands for one whole
+    local part, never for an ``@`` or a domain label, so ``*@a.io`` admits ``x@a.io`` but neither
+    ``x@b.io@a.io`` nor ``x@sub.a.io``. A principal with more than one ``@`` matches nothing.
+    """
+    if user.count("@") > 1:
+        return False
+    local, at, domain = user.partition("@")
     for pattern in patterns:
         if pattern == "*":
             return True
         if pattern.startswith("*@"):
-            if user.lower().endswith(pattern[1:].lower()) and len(user) > len(pattern) - 1:
+            if at and local and domain.lower() == pattern[2:].lower():
                 return True
         elif user == pattern:
             return True

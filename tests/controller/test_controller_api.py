@@ -255,7 +255,8 @@ async def test_invalid_launches(open_controller: Controller) -> None:
         assert resp.status_code == 404 and resp.json()["code"] == "NOT_FOUND"
         resp = await http.get("/v1/jobs/x/logs", params={"offset": -1})
         assert resp.status_code == 400
-        assert "paths" in (await http.get("/openapi.json")).json()
+        # No schema unless the cluster sets api_docs (test_controller_hardening.py).
+        assert (await http.get("/openapi.json")).status_code == 404
 
 
 async def test_unavailable_when_nothing_listens() -> None:
