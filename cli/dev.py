@@ -15,9 +15,11 @@ import typer
 
 from cli import common
 from iris import devstack
+from iris.client import current_user
 from iris.config import CONFIG_ENV, DEFAULT_DATA_DIR, PROJECT_ROOT, FederationConfig, config_path, store_url
 from iris.controller.identity import KEY_DIR_ENV
 from iris.keydirs import provision_key_dirs
+from iris.userauth import register_user
 
 # The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
 RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
@@ -145,6 +147,9 @@ def dev_command(
     key_dirs = provision_key_dirs(cfg, data_dir / "keys")
     created, key_dir = key_dirs.created, key_dirs.of(cfg.home)
     os.environ[KEY_DIR_ENV] = str(key_dir)
+    # The user's signing key, created on first start and registered (admin) in this stack's config,
+    # so `iris job run` works at once with verification on (docs/DESIGN.md, "User → home").
+    user_key, _, user_key_created = register_user(cfg, current_user(), ["admin"])
     # Ray heads start first: they take longest to come up.
     heads = [devstack.ray_head(spec, data_dir, name="Ray head") for spec in ray_specs]
     services = [
@@ -161,6 +166,8 @@ def dev_command(
     code = common.EXIT_OK
     try:
         typer.echo(f"data directory: {data_dir}")
+        made = "created" if user_key_created else "using"
+        typer.echo(f"{made} the user key of {current_user()} (admin): {user_key}")
         if created:
             typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dirs.root}/<cluster>")
         for svc in services:

@@ -10,6 +10,7 @@ import typer
 from cli import common
 from iris.controller.identity import default_key_dir, ensure_cluster_keys, generate_keypair
 from iris.keydirs import provision_key_dirs
+from iris.userauth import AuthError, ensure_user_key, user_key_path
 
 keys_app = typer.Typer(help="Create the Ed25519 key pairs clusters sign handoffs with.", no_args_is_help=True)
 
@@ -58,6 +59,36 @@ def ensure_command(
     else:
         created = ensure_cluster_keys(common.config(), key_dir)
     typer.echo(f"created keys for: {', '.join(created)}" if created else f"all keys present in {key_dir}")
+
+
+@keys_app.command("user")
+def user_command(
+    user: Annotated[
+        str | None, typer.Argument(help="The principal (default: $IRIS_USER, else the OS user).")
+    ] = None,
+    key: Annotated[
+        Path | None,
+        typer.Option(
+            "--key",
+            help="Key file (default: $IRIS_USER_KEY, else ~/.config/iris/users/USER.key; "
+            "$IRIS_USER_KEY_DIR moves the directory).",
+        ),
+    ] = None,
+) -> None:
+    """Create USER's Ed25519 key (mode 0600, never overwritten) and print the public key to
+    register in the federation config's [users] table; the CLI and SDK sign with it."""
+    from iris.client import current_user  # the SDK (Temporal) loads only for this command
+
+    principal = user or current_user()
+    path = key or user_key_path(principal)
+    try:
+        public, created = ensure_user_key(path)
+    except (AuthError, OSError) as exc:
+        why = str(exc) if isinstance(exc, AuthError) else f"cannot write {path}: {exc.strerror}"
+        common.fail(why, common.EXIT_INVALID)
+    typer.echo(f"{'created' if created else 'existing'} key: {path}  (private: keep it on your machine)")
+    typer.echo("register it in the federation config (roles: user, admin):")
+    typer.echo(f'[users."{principal}"]\npublic_keys = ["{public}"]\nroles = ["user"]')
 
 
 @keys_app.command("tls")

@@ -74,6 +74,7 @@ from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.reports import FederationView, config_view
 from iris.temporal import connect
+from iris.userauth import Action, AuthError, Signer, audience
 from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 
@@ -407,12 +408,38 @@ def _quote(value: str) -> str:
 
 
 class AsyncIrisClient:
-    """Asyncio SDK over a Temporal client and the federation config."""
+    """Asyncio SDK over a Temporal client and the federation config.
 
-    def __init__(self, temporal: Client, config: FederationConfig) -> None:
+    Every submission, cancel and replay is signed with the user's key (docs/DESIGN.md, "User →
+    home"): ``signer(principal)`` gives the Signer of a principal, by default the key at
+    ``iris.userauth.user_key_path`` (``iris keys user`` creates it). A submission is signed as its
+    spec's user; a cancel or replay as ``principal`` (default: ``IRIS_USER``, else the OS user).
+    """
+
+    def __init__(
+        self,
+        temporal: Client,
+        config: FederationConfig,
+        *,
+        principal: str | None = None,
+        signer: Callable[[str], Signer] | None = None,
+    ) -> None:
         self.temporal = temporal
         self.config = config
+        self.principal = principal or current_user()
+        self._signer = signer or Signer
         self._relay: LogRelay | None = None
+
+    def as_user(self, principal: str) -> AsyncIrisClient:
+        """The same client, cancelling and replaying as ``principal`` (with that principal's key)."""
+        return type(self)(self.temporal, self.config, principal=principal, signer=self._signer)
+
+    def sign(self, action: Action, principal: str, job_id: str, request: BaseModel) -> str:
+        """A signed statement over ``request``; InvalidJob (one line) if the key is unusable."""
+        try:
+            return self._signer(principal).sign(action, job_id, request, audience(self.config.home))
+        except AuthError as exc:
+            raise InvalidJob(str(exc)) from None
 
     @classmethod
     async def connect(cls, config: FederationConfig | str | Path | None = None) -> AsyncIrisClient:
@@ -470,6 +497,9 @@ class AsyncIrisClient:
     async def submit_spec(self, spec: JobSpec, bundle: Bundle | None = None) -> str:
         """Start the job's workflow; its bundle (``spec.bundle``) is stored at home first."""
         await self.precheck(spec)
+        if not spec.signature:
+            signature = self.sign(Action.SUBMIT, spec.user, spec.job_id, spec)
+            spec = spec.model_copy(update={"signature": signature})
         if spec.bundle is not None:
             await self.store_bundle(spec.bundle, bundle)
         try:
@@ -517,8 +547,9 @@ class AsyncIrisClient:
 
     async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
         """Fire-and-forget cancel (a signal)."""
+        request = self._signed_cancel(job_id, reason)
         try:
-            await self._handle(job_id).signal(JobWorkflow.cancel, CancelRequest(reason=reason))
+            await self._handle(job_id).signal(JobWorkflow.cancel, request)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(f"job {job_id} not found or already finished") from None
@@ -526,14 +557,20 @@ class AsyncIrisClient:
 
     async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
+        request = self._signed_cancel(job_id, reason)
         try:
-            return await execute_update(
-                self._handle(job_id), JobWorkflow.cancel_job, CancelRequest(reason=reason), CancelOutcome
-            )
+            return await execute_update(self._handle(job_id), JobWorkflow.cancel_job, request, CancelOutcome)
+        except WorkflowUpdateFailedError as exc:
+            raise InvalidJob(f"cannot cancel {job_id}: {update_refusal(exc)}") from None
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 return (await self.describe(job_id)).ended_cancel_outcome()
             raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+
+    def _signed_cancel(self, job_id: str, reason: str) -> CancelRequest:
+        request = CancelRequest(reason=reason)
+        signature = self.sign(Action.CANCEL, self.principal, job_id, request)
+        return request.model_copy(update={"signature": signature})
 
     async def peers(self) -> FederationView:
         """Every cluster's live report (reachability, backends, capacity), polled by a worker."""
@@ -593,11 +630,13 @@ class AsyncIrisClient:
                     f"job {job_id} is {status.state.value}: replay-handoff applies to jobs parked in "
                     "HANDOFF_FAILED or closed as HANDOFF_REJECTED"
                 )
+            request = ReplayRequest(peer=peer, requeue=requeue, reason=reason, force=force)
+            signature = self.sign(Action.REPLAY, self.principal, job_id, request)
             try:
                 message = await execute_update(
                     handle,
                     JobWorkflow.replay_handoff,
-                    ReplayRequest(peer=peer, requeue=requeue, reason=reason, force=force),
+                    request.model_copy(update={"signature": signature}),
                     str,
                 )
             except WorkflowUpdateFailedError as exc:

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from iris.userauth import parse_public_key
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
 CONFIG_ENV = "IRIS_CONFIG"
@@ -179,6 +181,27 @@ class ClusterConfig(BaseModel):
         return self
 
 
+class UserConfig(BaseModel):
+    """A principal who may submit, cancel and replay jobs (docs/DESIGN.md, "User → home").
+
+    ``public_keys`` are the user's Ed25519 keys as ``iris keys user`` prints them
+    (``ed25519:<base64>``); not secret. ``roles``: ``user`` (own jobs) and/or ``admin`` (anyone's
+    jobs, and the ``production`` band).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    public_keys: list[str] = Field(min_length=1)
+    roles: list[Literal["admin", "user"]] = ["user"]
+
+    @field_validator("public_keys")
+    @classmethod
+    def _ed25519_keys(cls, value: list[str]) -> list[str]:
+        for key in value:
+            parse_public_key(key)
+        return value
+
+
 class TemporalTLSConfig(BaseModel):
     """TLS to Temporal's frontend (docs/DESIGN.md, "Where secrets live"): PEM file paths. With
     ``server_ca`` the client verifies the server against that CA; with ``client_cert`` and
@@ -226,6 +249,9 @@ class FederationConfig(BaseModel):
     # send to one peer.
     tick_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_per_peer_per_tick: int | None = Field(default=8, ge=1)
+    # Who may submit, cancel and replay, with their public keys and roles (docs/DESIGN.md, "User →
+    # home"); the worker verifies every request against it. ``iris dev`` adds the OS user (admin).
+    users: dict[str, UserConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _home_known(self) -> FederationConfig:

@@ -92,6 +92,7 @@ SET_HANDLE_STATE = "set_handle_state"
 REQUEUE_JOB = "requeue_job"
 RECORD_FENCE = "record_fence"
 PLACEMENT_TICK = "placement_tick"
+VERIFY_REQUEST = "verify_request"
 
 # ---- error types activities raise (ApplicationError.type) ----------------------------------------
 
@@ -103,6 +104,8 @@ JOB_LOST = "JobLost"
 BUNDLE_UNAVAILABLE = "BundleUnavailable"
 # The federation store refused a handle transition (an answer, not an outage: never retried).
 STORE_CONFLICT = "StoreConflict"
+# A submission, cancel or replay whose signed statement is missing, forged, expired or not allowed.
+UNAUTHENTICATED = "Unauthenticated"
 
 # ---- visibility ----------------------------------------------------------------------------------
 # Registered in every environment (dev server flags, test fixtures, the compose bootstrap): a
@@ -136,6 +139,7 @@ ACTIVITY_NAMES = (
     REQUEUE_JOB,
     RECORD_FENCE,
     PLACEMENT_TICK,
+    VERIFY_REQUEST,
 )
 WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS)
-ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE, STORE_CONFLICT)
+ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE, STORE_CONFLICT, UNAUTHENTICATED)

@@ -189,6 +189,8 @@ class JobSpec(BaseModel):
     max_retries_preemption: int = Field(default=1, ge=0, le=MAX_RETRIES)
     # Wall-clock limit on running (per attempt): the cluster kills the job and it fails, "timeout".
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+    # The submitter's signed statement over this spec (iris/userauth.py); not a secret.
+    signature: str = ""
 
     def shape(self) -> JobShape:
         deadline = None
@@ -284,6 +286,8 @@ class Placement(BaseModel):
 
 class CancelRequest(BaseModel):
     reason: str = "Cancelled by user"
+    # The canceller's signed statement (iris/userauth.py); a cancel without a valid one is ignored.
+    signature: str = ""
 
 
 class ReplayRequest(BaseModel):
@@ -294,6 +298,8 @@ class ReplayRequest(BaseModel):
     reason: str = "operator replay"
     # Replay elsewhere although the last launch's cluster may still run the job (it is fenced).
     force: bool = False
+    # The operator's signed statement (iris/userauth.py); a replay without a valid one is refused.
+    signature: str = ""
 
     def describe(self) -> str:
         where = (

@@ -25,18 +25,32 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from iris import devstack
-from iris.client import AsyncIrisClient
+from iris.client import AsyncIrisClient, current_user
 from iris.config import FederationConfig, load_config, store_url
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.identity import KEY_DIR_ENV
 from iris.keydirs import provision_key_dirs
 from iris.store import FederationStore
+from iris.userauth import USER_KEY_DIR_ENV, register_user
 from worker.main import build_worker, ensure_manager
 
 VENV_BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 Backend = Literal["process", "ray"]
+# Who the suite submits as (the SDK's default, the CLI's IRIS_USER and the users tests name), and
+# their roles; `Stack.add_user` registers more.
+TEST_USERS: dict[str, list[str]] = {
+    current_user(): ["admin"],
+    "tester@example.com": ["admin"],
+    "alice": ["user"],
+    "alice@example.com": ["user"],
+    "alice@allowed.example": ["user"],
+    "eve@evil.example": ["user"],
+    "race@example.com": ["user"],
+    "pace@example.com": ["user"],
+    "ops@example.com": ["user"],
+}
 # The topology of each backend choice: the same clusters, backends and ports; with "ray" the GPU
 # peers' backends run their jobs on Ray.
 CONFIGS: dict[str, Path] = {
@@ -124,6 +138,12 @@ class Stack:
         )
         s3.put_object(Bucket=bucket, Key=key, Body=data)
 
+    def add_user(self, user: str, roles: list[str]) -> Path:
+        """Give ``user`` a signing key and register it (the worker reads the config's users live);
+        returns the key file."""
+        path, _, _ = register_user(self.config, user, roles)
+        return path
+
     def cli_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}
 
@@ -209,6 +229,12 @@ class StackRunner:
         cfg = free_port_config(base, address)
         cfg.temporal.ui_port = self.ui_port
         config_file = self.root / "clusters.json"
+        # The users the suite submits as, each with a signing key (iris/userauth.py), registered
+        # in this config: the worker verifies every submission, cancel and replay against it.
+        users = self.key_dir.with_name(self.key_dir.name + "-users")
+        os.environ[USER_KEY_DIR_ENV] = str(users)
+        for user, roles in TEST_USERS.items():
+            register_user(cfg, user, roles)
         config_file.write_text(cfg.model_dump_json(indent=2))
         # This process hosts the worker: the home cluster's credentials only (each controller
         # gets its own from devstack.controller).

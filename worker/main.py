@@ -13,6 +13,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactActivities
+from activities.auth import AuthActivities
 from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
 from activities.store import StoreActivities
@@ -76,7 +77,9 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)
+    auth = AuthActivities(config)
     return [
+        auth.verify_request,
         peers.fetch_reports,
         peers.launch_job,
         peers.stage_bundle,

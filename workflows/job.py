@@ -28,6 +28,7 @@ from temporalio.exceptions import CancelledError as TemporalCancelledError
 
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
+    from activities.auth import AuthActivities, VerifyInput
     from activities.peers import (
         AttemptFound,
         FindInput,
@@ -77,9 +78,10 @@ with workflow.unsafe.imports_passed_through():
         pick_backend,
         queued_for_peer_reason,
     )
-    from iris.policy.models import Classification, Disposition, Placement
+    from iris.policy.models import Band, Classification, Disposition, Placement
     from iris.reports import FederationView
     from iris.store.models import HandleState, JobHandle, PromoteOutcome
+    from iris.userauth import Action, Principal, request_digest
 
 _QUICK = timedelta(seconds=30)
 _STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
@@ -134,6 +136,11 @@ CONTINUE_PATCH = "continue-as-new-v1"
 # cluster how the earlier attempt ended: one that succeeded while the cluster was silent is the
 # job's result (no second run), one still running there is terminated first (as before).
 EARLIER_ATTEMPT_PATCH = "earlier-attempt-v1"
+# Runs with this patch verify the submitter's signed statement before classifying (a job that does
+# not verify ends REJECTED), verify each cancel and replay (one that does not is recorded and
+# ignored), and hand off under the verified principal (docs/DESIGN.md, "User → home").
+AUTH_PATCH = "authenticated-submitters-v1"
+_AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
 _EVENTS_HEAD = 20
@@ -224,6 +231,8 @@ class Carry(BaseModel):
     lost_after_s: float = 600.0
     # How many runs came before this one.
     runs: int = 1
+    # The submitter as verified (AUTH_PATCH), None for a run that predates it.
+    principal: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +287,11 @@ class _Job:
     numbered: bool = False
     # The capacity view the job was classified with (a later attempt picks a backend with it).
     view: FederationView | None = None
+    # The submitter as its signed statement proved (AUTH_PATCH): the handoff's user.
+    principal: str | None = None
+    # Cancels whose signature is being checked: a handoff waits for their verdict, so a cancel
+    # that arrived before it is honoured as if recorded at once.
+    verifying: int = 0
 
     @property
     def incarnation(self) -> str:
@@ -334,6 +348,7 @@ class JobWorkflow:
                 numbered=True,
                 runs=carry.runs + 1,
                 view=carry.view,
+                principal=carry.principal,
             )
 
     # ---- messages -------------------------------------------------------------------------
@@ -362,8 +377,10 @@ class JobWorkflow:
         self._job.expire = True
 
     @workflow.signal(name=contract.CANCEL)
-    def cancel(self, request: CancelRequest) -> None:
-        self._request_cancel(request)
+    async def cancel(self, request: CancelRequest) -> None:
+        # A cancel whose signature does not verify is recorded and ignored (AUTH_PATCH).
+        if await self._refused(Action.CANCEL, request.signature, request) is None:
+            self._request_cancel(request)
 
     @workflow.update(name=contract.CANCEL_JOB)
     async def cancel_job(self, request: CancelRequest) -> CancelOutcome:
@@ -371,6 +388,9 @@ class JobWorkflow:
         job = self._job
         if job.status.terminal:
             return job.status.ended_cancel_outcome()
+        refusal = await self._refused(Action.CANCEL, request.signature, request)
+        if refusal is not None:
+            raise ApplicationError(refusal, type=contract.UNAUTHENTICATED, non_retryable=True)
         self._request_cancel(request)
         await workflow.wait_condition(lambda: job.delivered or job.status.terminal)
         st = job.status
@@ -385,9 +405,18 @@ class JobWorkflow:
         )
 
     @workflow.update(name=contract.REPLAY_HANDOFF)
-    def replay_handoff(self, request: ReplayRequest) -> str:
+    async def replay_handoff(self, request: ReplayRequest) -> str:
         """Operator: re-run the artifact check and handoff of a parked job (docs/DESIGN.md,
-        "Replaying a failed handoff")."""
+        "Replaying a failed handoff"); the job's owner or an admin, signed (AUTH_PATCH)."""
+        refusal = await self._refused(Action.REPLAY, request.signature, request)
+        if refusal is not None:
+            raise ApplicationError(refusal, type=contract.UNAUTHENTICATED, non_retryable=True)
+        if self._authenticating():
+            # The job may have moved on while the signature was checked.
+            try:
+                self._check_replay(request)
+            except ValueError as exc:
+                raise ApplicationError(str(exc), non_retryable=True) from None
         self._job.replay = request
         return f"replay accepted: {request.describe()}"
 
@@ -416,6 +445,59 @@ class JobWorkflow:
                 raise ValueError(
                     f"job {st.job_id} is pinned to {job.pin}; it cannot be replayed to {request.peer}"
                 )
+
+    def _authenticating(self) -> bool:
+        """Whether this run verifies signed requests (AUTH_PATCH; memoized by the SDK)."""
+        return workflow.patched(AUTH_PATCH)
+
+    async def _refused(self, action: Action, statement: str, request: BaseModel) -> str | None:
+        """Why a signed request is refused (recorded as an event), or None if it verifies or this
+        run predates AUTH_PATCH. The check is an activity (activities/auth.py), never workflow code."""
+        if not self._authenticating():
+            return None
+        job = self._job
+        job.verifying += 1
+        try:
+            await self._verify(action, statement, request, self._now_ms())
+        except ApplicationError as exc:
+            refusal = f"{action.value} refused: {exc.message}"
+            self._event(job.status.state, refusal)
+            return refusal
+        finally:
+            job.verifying -= 1
+        return None
+
+    async def _verdicts(self) -> None:
+        """Wait for the requests being verified (none in a run that predates AUTH_PATCH)."""
+        job = self._job
+        if job.verifying:
+            await workflow.wait_condition(lambda: job.verifying == 0)
+
+    async def _verify(
+        self, action: Action, statement: str, request: BaseModel, received_ms: int
+    ) -> Principal:
+        """The verified principal; ApplicationError with the one-line reason otherwise."""
+        spec = self._job.spec
+        inp = VerifyInput(
+            statement=statement,
+            action=action,
+            job_id=spec.job_id,
+            digest=request_digest(request),
+            owner=spec.user,
+            production=action is Action.SUBMIT and spec.band is Band.PRODUCTION,
+            received_ms=received_ms,
+        )
+        try:
+            return await workflow.execute_activity_method(
+                AuthActivities.verify_request, inp, start_to_close_timeout=_QUICK, retry_policy=_AUTH_RETRY
+            )
+        except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == contract.UNAUTHENTICATED:
+                raise ApplicationError(cause.message, type=contract.UNAUTHENTICATED) from None
+            raise ApplicationError(f"the signature could not be checked: {cause or exc}") from None
 
     def _request_cancel(self, request: CancelRequest) -> None:
         job = self._job
@@ -544,9 +626,11 @@ class JobWorkflow:
             # SDK then heartbeats that task) may land ahead of the activity's own marker, and a
             # replay that first asks after the activity finds it out of place (nondeterminism).
             job.numbered = workflow.patched(ATTEMPTS_PATCH)
+        # In the first task of every run, as the patches above (memoized for the handlers).
+        authenticating = self._authenticating()
         try:
             try:
-                await (self._lifecycle() if carry is None else self._resume(carry))
+                await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
             except (asyncio.CancelledError, ActivityError) as exc:
                 # Temporal's own cancel converges on the same path as the signal and the update.
                 # It surfaces as CancelledError, or as ActivityError(CancelledError) from the
@@ -560,7 +644,9 @@ class JobWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         return job.status
 
-    async def _lifecycle(self) -> None:
+    async def _lifecycle(self, authenticating: bool = False) -> None:
+        if authenticating:
+            await self._authenticate()
         view, decision = await self._classify()
         # The resolved pin (exact cluster id, whatever case the user typed), the home cluster
         # included: an operator's replay must keep to it too.
@@ -582,6 +668,21 @@ class JobWorkflow:
         # the peer gets its best guess.
         backend = placement.backend_id or self._backend_for(view, placement.peer_id)
         await self._deliver(view, placement.peer_id, backend)
+
+    async def _authenticate(self) -> None:
+        """No unverified job reaches classification: a submission whose statement does not verify
+        (or whose principal may not submit it) ends REJECTED, having started nothing."""
+        job = self._job
+        started = workflow.info().workflow_start_time
+        try:
+            # Expiry is judged when Temporal accepted the start, not when a worker got to it.
+            principal = await self._verify(
+                Action.SUBMIT, job.spec.signature, job.spec, int(started.timestamp() * 1000)
+            )
+        except ApplicationError as exc:
+            await self._finish(JobState.REJECTED, f"submission refused: {exc.message}")
+        job.principal = principal.name
+        self._event(JobState.CLASSIFYING, f"submitted by {principal.name} (signature verified)")
 
     async def _resume(self, carry: Carry) -> None:
         """Pick the job up where the run that continued as new left it."""
@@ -654,6 +755,7 @@ class JobWorkflow:
             maybe_on=job.maybe_on,
             lost_after_s=job.lost_after_s,
             runs=job.runs,
+            principal=job.principal,
         )
         workflow.continue_as_new(args=[job.spec, carry])
 
@@ -872,6 +974,7 @@ class JobWorkflow:
         home = job.view is not None and cluster == job.view.home
         prepare = f"Runs at home on {cluster}" if home or not job.queued else f"Promoted to {cluster}"
         self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
+        await self._verdicts()
         if job.cancel is not None:
             await self._cancel_before_handoff()
         if job.spec.artifacts:
@@ -927,6 +1030,10 @@ class JobWorkflow:
         """The handoff: a signed launch under the job's id and the attempt's nonce (docs/DESIGN.md,
         "Launch"). From the workflow task that schedules it on, the job counts as delivered."""
         job = self._job
+        if job.verifying and not job.delivered:
+            await self._verdicts()
+            if job.cancel is not None:
+                await self._cancel_before_handoff()
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         job.delivered = True
         job.status.handoff_attempts += 1
@@ -939,7 +1046,8 @@ class JobWorkflow:
             env=spec.env,
             device=spec.device,
             band=spec.band,
-            user=spec.user,
+            # The verified principal: a peer's allowed_submitters judges who signed, not a claim.
+            user=job.principal or spec.user,
             requester=view.home,
             nonce=job.nonce,
             backend_id=backend,

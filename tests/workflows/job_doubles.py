@@ -30,6 +30,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactInput, ArtifactReport
+from activities.auth import AuthActivities, VerifyInput
 from activities.peers import (
     AttemptFound,
     FindInput,
@@ -58,6 +59,7 @@ from iris.jobs import JobSpec, JobState, JobStatus, start_search_attributes
 from iris.policy.models import Availability, BackendReport, DeviceRequest, PeerReport, Placement
 from iris.reports import FederationView
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteOutcome, PromoteResult
+from iris.userauth import Principal
 from workflows.job import JobWorkflow
 from workflows.runner import workflow_runner
 
@@ -246,6 +248,11 @@ class FakeFederation:
     # The job as each cluster has it (cluster, job id) → status.
     remote: dict[tuple[str, str], RemoteStatus] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    # The signed requests the workflow asked to verify. ``auth`` None: every request verifies as
+    # its job's owner (tests not about authentication); else the real activity decides
+    # (tests/workflows/test_job_auth.py gives it a users table).
+    verifications: list[VerifyInput] = field(default_factory=list)
+    auth: AuthActivities | None = None
 
     _holds: dict[str, asyncio.Event] = field(default_factory=dict)
     _reached: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -316,6 +323,7 @@ class FakeFederation:
 
     def activities(self) -> list[Callable[..., Awaitable[Any]]]:
         return [
+            self.verify_request,
             self.fetch_reports,
             self.enqueue_job,
             self.promote_job,
@@ -332,6 +340,16 @@ class FakeFederation:
             self.terminate_job,
             self.record_fence,
         ]
+
+    # ---- users ----
+
+    @activity.defn(name=contract.VERIFY_REQUEST)
+    async def verify_request(self, inp: VerifyInput) -> Principal:
+        await self._enter(contract.VERIFY_REQUEST)
+        self.verifications.append(inp)
+        if self.auth is not None:
+            return await self.auth.verify_request(inp)
+        return Principal(name=inp.owner, roles=("user",))
 
     # ---- peers ----
 
