@@ -82,3 +82,38 @@ def test_the_cli_refuses_an_unknown_cluster_in_one_line_before_anything_runs(arg
     assert res.stderr.strip().splitlines() == [
         "error: unknown cluster 'nowhere' (clusters in this config: marin, cw-us-east-02a, cw-rno2a)"
     ]
+
+
+# ---- job ids never take an internal workflow's id (issue 16) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("user", "name"),
+    [("iris-placement-manager", "iris-federation"), ("iris-placement-manager@corp.example", "x")],
+)
+def test_the_sdk_refuses_a_job_id_that_is_an_internal_workflow_id(user: str, name: str) -> None:
+    # iris-placement-manager/iris-federation is the placement manager's workflow id: a job holding
+    # it would keep the manager from ever starting.
+    with pytest.raises(InvalidJob, match="reserved for the federation's own workflows"):
+        prepare_submission(["true"], workdir=None, user=user, name=name)
+    # Any other user may use the same name.
+    spec, _ = prepare_submission(["true"], workdir=None, user="alice", name=name)
+    assert spec.job_id == f"alice/{name}"
+
+
+def test_the_cli_refuses_the_placement_managers_id_in_one_line_before_anything_runs() -> None:
+    # TEMPORAL_ADDRESS points nowhere: a submission that got past the check would fail differently.
+    env = {"PATH": str(VENV_BIN), "TEMPORAL_ADDRESS": "127.0.0.1:9", "IRIS_USER": "iris-placement-manager"}
+    res = subprocess.run(
+        [str(VENV_BIN / "iris"), "job", "run", "--no-workdir", "--job-name", "iris-federation", "--", "true"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "error: invalid job id 'iris-placement-manager/iris-federation': it is reserved for the "
+        "federation's own workflows; choose another --job-name"
+    ]

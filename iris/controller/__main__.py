@@ -37,7 +37,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cluster", required=True, help="name of the cluster this controller serves")
     p.add_argument("--state-dir", required=True, type=Path, help="directory for the job database and logs")
     p.add_argument("--port", type=int, help="listen port (default: the cluster's configured port)")
-    p.add_argument("--host", help="listen address (default: the cluster's configured host)")
+    p.add_argument(
+        "--host",
+        help="listen address (default: the cluster's configured host); a cluster without "
+        "[clusters.auth] may only bind a loopback address",
+    )
     p.add_argument(
         "--key-dir",
         type=Path,
