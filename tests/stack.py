@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pwd
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -72,6 +73,9 @@ def free_port_config(base: FederationConfig, temporal_address: str) -> Federatio
     cfg.gcs_port = devstack.free_port()
     for c in cfg.clusters:
         c.port = devstack.free_port()
+        # The suite's jobs run this interpreter, which need not be reachable by an unprivileged
+        # user (tests/controller/test_controller_privileges.py tests run_as = "nobody").
+        c.run_as = pwd.getpwuid(os.geteuid()).pw_name
         if c.object_store is not None:
             port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
             c.object_store.endpoint = f"http://127.0.0.1:{port}"

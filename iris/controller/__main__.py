@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -65,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # Everything the controller writes (store, logs, bundles, job dirs) is its own user's alone
+    # (docs/DESIGN.md, "Job → controller").
+    os.umask(0o077)
     # Imports after logging setup; uvicorn and the app are only needed once the config is good.
     import uvicorn
 
     from iris.controller.app import create_app
     from iris.controller.identity import default_key_dir
+    from iris.controller.privileges import harden_key_file, privilege_warning, resolve_run_as
 
     try:
         config = load_config(args.config)
@@ -92,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"unauthenticated on non-loopback address {host!r} (configure auth, or bind 127.0.0.1)"
             )
         key_dir = args.key_dir or default_key_dir(args.state_dir.resolve().parent)
+        run_as = resolve_run_as(cluster)
         app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)
     except ConfigError as exc:
         print(f"iris controller: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    if cluster.auth is not None and cluster.auth.private_key_file:
+        private_key = Path(cluster.auth.private_key_file).expanduser()
+        harden_key_file(private_key if private_key.is_absolute() else key_dir / private_key)
+    warning = privilege_warning(run_as)
+    if warning is not None and any(b.kind == "process" for b in cluster.backends):
+        logging.getLogger("iris.controller").warning(warning)
 
     try:
         args.state_dir.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,10 @@ controller restarted after ``kill -9`` can report every job honestly and find le
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -186,9 +188,17 @@ class StateStore:
             self._lock.close()
             raise StateDirBusy(f"state dir {state_dir} is in use by another controller") from None
         self.path = state_dir / DB_NAME
+        # Every job's env is in here: the controller's user only (docs/DESIGN.md, "Job →
+        # controller"). SQLite gives the -wal and -shm files the database file's mode.
+        os.chmod(state_dir, 0o700)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(self.path, 0o600)
         # The executor runs on one event loop thread; autocommit off, explicit transactions.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
+        for suffix in ("-wal", "-shm"):  # made by an older version, or before its mode was set
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(f"{self.path}{suffix}", 0o600)
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)

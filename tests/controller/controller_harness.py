@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -85,8 +86,16 @@ def cpu_backend(id: str = "cpu", cpu_slots: int = 2) -> dict[str, Any]:
     return {"id": id, "attributes": {"device-type": ["cpu"]}, "cpu_slots": cpu_slots}
 
 
-def cluster(name: str, *, backends: list[dict[str, Any]] | None = None, auth: Any = None) -> dict[str, Any]:
-    c: dict[str, Any] = {"name": name, "port": free_port(), "backends": backends or []}
+# The jobs of most tests run this test interpreter and write to the test's temp dir, neither of
+# which an unprivileged user can reach on a machine whose Python lives under a 0700 /root: they keep
+# the test's user. tests/controller/test_controller_privileges.py runs jobs as "nobody" for real.
+TEST_USER = pwd.getpwuid(os.geteuid()).pw_name
+
+
+def cluster(
+    name: str, *, backends: list[dict[str, Any]] | None = None, auth: Any = None, run_as: str = TEST_USER
+) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": name, "port": free_port(), "backends": backends or [], "run_as": run_as}
     if auth is not None:
         c["auth"] = auth
     return c
@@ -118,7 +127,7 @@ class Controller:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def client(self, signer: TokenSigner | None = None, timeout: float = 10.0) -> ControllerClient:
-        return ControllerClient(self.url, signer=signer, timeout=timeout)
+        return ControllerClient(self.url, signer=signer, audience=self.cluster, timeout=timeout)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from controller_harness import (
     PROJECT_ROOT,
+    TEST_USER,
     free_port,
     py,
     read_all_logs,
@@ -47,6 +48,7 @@ def demo_config_with_auth(tmp: Path) -> Path:
     for c in data["clusters"]:
         c["port"] = free_port()
         c.setdefault("auth", DEMO_AUTH[c["name"]])
+        c["run_as"] = TEST_USER  # the job runs this test interpreter (controller_harness.TEST_USER)
     path = tmp / "clusters.toml"
     path.write_text(render_toml(data))
     return path

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,27 +23,17 @@ from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState
+from iris.controller.privileges import chown_tree, harden_state_dir, resolve_run_as
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
 
 log = logging.getLogger("iris.controller.executor")
 
-# The job's environment starts from these controller variables only: the controller's own
-# credentials (object-store keys, signing keys) must never leak into job processes or their logs.
-PASSTHROUGH_ENV = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TMPDIR",
-    "VIRTUAL_ENV",
-    "PYTHONPATH",
-)
+# A job's environment is its spec's env, the IRIS_* variables, HOME (its working directory) and
+# only these of the controller's: its credentials (object-store keys, key paths) and anything else
+# in its environment never reach a job (docs/DESIGN.md, "Job → controller").
+PASSTHROUGH_ENV = ("PATH", "LANG")
+DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 RUN_ID_ENV = "IRIS_RUN_ID"
 
 
@@ -156,6 +147,9 @@ class ProcessBackend(Backend):
         self.observed_ms = now_ms()
         self._runs: dict[str, _Run] = {}
         self._closing = False
+        # Who the jobs run as; the state dir's modes follow (docs/DESIGN.md, "Job → controller").
+        self.run_as = resolve_run_as(host.cluster)
+        harden_state_dir(host.state_dir, self.run_as)
 
     # ---- bookkeeping -----------------------------------------------------------------------
 
@@ -294,8 +288,9 @@ class ProcessBackend(Backend):
                 self.pools[demand.resource].give(task.slots)
         self.changed()
 
-    def _job_env(self, job: JobRecord, index: int, slots: list[int]) -> dict[str, str]:
-        env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+    def _job_env(self, job: JobRecord, index: int, slots: list[int], workdir: Path) -> dict[str, str]:
+        env = {k: os.environ.get(k) or DEFAULT_ENV[k] for k in PASSTHROUGH_ENV}
+        env["HOME"] = str(workdir)
         env.update(job.env)
         slot_list = ",".join(str(s) for s in slots)
         env.update(
@@ -314,11 +309,15 @@ class ProcessBackend(Backend):
 
     async def _run(self, job: JobRecord, run: _Run, demand: Demand) -> None:
         path = self.log_path(job)
-        workdir = self.host.state_dir / "work" / path.stem
-        workdir.mkdir(parents=True, exist_ok=True)
+        # A fresh private directory per run, named unguessably: the work dir cannot be listed, so a
+        # job reaches no other job's directory by its path (docs/DESIGN.md, "Job → controller").
+        workdir = self.host.state_dir / "work" / f"{path.stem}-{secrets.token_hex(16)}"
         outcome: tuple[ControllerJobState, int | None, str | None]
         try:
+            workdir.mkdir(mode=0o700)
             unpacked = await self._unpack(job, workdir)
+            if unpacked is None and self.run_as.switch:
+                await asyncio.to_thread(chown_tree, workdir, self.run_as)
             if unpacked is not None:
                 outcome = unpacked
             else:
@@ -336,6 +335,11 @@ class ProcessBackend(Backend):
         finally:
             if run.killer is not None:
                 run.killer.cancel()
+            if self.run_as.switch:
+                # The run is over: its directory goes back to the controller, out of reach of
+                # later jobs that run as the same user (docs/DESIGN.md, "Job → controller").
+                with contextlib.suppress(OSError):
+                    os.chown(workdir, os.geteuid(), os.getegid())
             self._runs.pop(job.job_id, None)
             self._release(job, demand)
         state, code, error = outcome
@@ -370,15 +374,21 @@ class ProcessBackend(Backend):
         for task in job.tasks:
             if job.terminate_requested:
                 break
+            # As root: the run_as uid, its primary group, no supplementary group (root's would
+            # stay otherwise). The log file was opened by the controller: the job inherits the fd.
+            switch = self.run_as.switch
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *job.command,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log_fd,
                     stderr=log_fd,
-                    env=self._job_env(job, task.index, task.slots),
+                    env=self._job_env(job, task.index, task.slots, workdir),
                     cwd=workdir,
                     start_new_session=True,
+                    user=self.run_as.uid if switch else None,
+                    group=self.run_as.gid if switch else None,
+                    extra_groups=[] if switch else None,
                 )
             except OSError as exc:
                 for p in run.procs.values():
