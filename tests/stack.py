@@ -51,6 +51,8 @@ TEST_USERS: dict[str, list[str]] = {
     "race@example.com": ["user"],
     "pace@example.com": ["user"],
     "ops@example.com": ["user"],
+    # A peer refuses this name whoever signs it (tests/security/test_security_admission.py).
+    "local_admin": ["user"],
 }
 # The topology of each backend choice: the same clusters, backends and ports; with "ray" the GPU
 # peers' backends run their jobs on Ray.

@@ -17,6 +17,7 @@ from stack import VENV_BIN, free_port_config, wait_until
 
 from iris import devstack
 from iris.config import FederationConfig, load_config
+from iris.userauth import USER_KEY_DIR_ENV
 
 
 def _pids_mentioning(marker: str) -> list[int]:
@@ -39,12 +40,18 @@ class DevStack:
         self.data_dir = data_dir
         self.proc: asyncio.subprocess.Process | None = None
         self.output: list[str] = []
+        # The newcomer: `iris dev` creates and registers (admin) their user key on first start.
+        self.env = {
+            **os.environ,
+            "IRIS_USER": "newcomer",
+            USER_KEY_DIR_ENV: str(data_dir.parent / "user-keys"),
+        }
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
             str(VENV_BIN / "iris"), "--config", str(self.config_file),
             "dev", "--data-dir", str(self.data_dir),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env,
         )  # fmt: skip
         assert self.proc.stdout is not None
         async with asyncio.timeout(120):
@@ -67,7 +74,7 @@ class DevStack:
         proc = await asyncio.create_subprocess_exec(
             str(VENV_BIN / "iris"), *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "newcomer"},
+            env={**self.env, "IRIS_CONFIG": str(self.config_file)},
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 120)
         return proc.returncode or 0, out.decode(), err.decode()
