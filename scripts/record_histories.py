@@ -36,8 +36,10 @@ from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
 from cli.ops import DeterminismReport, replay_histories  # noqa: E402
+from iris import contract  # noqa: E402
+from iris.client import build_spec  # noqa: E402
 from iris.contract import JOB_WORKFLOW  # noqa: E402
-from iris.jobs import JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
+from iris.jobs import CancelRequest, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
 from iris.policy.models import DeviceRequest  # noqa: E402
 
 OUT_DIR = ROOT / "tests" / "determinism" / "histories"
@@ -115,6 +117,36 @@ async def cancelled_through_temporal(stack: Stack) -> str:
     await stack.client.get_workflow_handle(job_id).cancel()
     await _state(stack, job_id, JobState.KILLED)
     return job_id
+
+
+async def unsigned_cancel_ignored(stack: Stack) -> str:
+    """AUTH_PATCH: a signed submission; a bare cancel signal (no signature) is recorded and ignored,
+    the owner's signed cancel ends the job."""
+    job_id = await _submit(stack, "unsigned-cancel", ["true"], replicas=3, **H100)
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    await stack.client.get_workflow_handle(job_id).signal(contract.CANCEL, CancelRequest(reason="bare"))
+    deadline = time.monotonic() + 30
+    while not any("cancel refused" in e.message for e in (await stack.iris.describe(job_id)).events):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the bare cancel was not recorded")
+        await asyncio.sleep(0.2)
+    await stack.iris.cancel(job_id)
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def unsigned_submission_rejected(stack: Stack) -> str:
+    """AUTH_PATCH: a workflow started without a signed statement ends REJECTED before classifying."""
+    spec = build_spec(["true"], name="hist-unsigned", user=USER)
+    await stack.client.start_workflow(
+        JOB_WORKFLOW,
+        spec,
+        id=spec.job_id,
+        task_queue=stack.config.temporal.task_queue,
+        search_attributes=start_search_attributes(spec),
+    )
+    await _state(stack, spec.job_id, JobState.REJECTED)
+    return spec.job_id
 
 
 async def cancelled_while_running(stack: Stack) -> str:
@@ -318,6 +350,8 @@ SCENARIOS = [
     Scenario("local_through_the_ledger", local),
     Scenario("launch_replies_all_lost", launch_replies_all_lost, alone=True),
     Scenario("earlier_attempt_succeeded", earlier_attempt_succeeded, alone=True),
+    Scenario("unsigned_cancel_ignored", unsigned_cancel_ignored),
+    Scenario("unsigned_submission_rejected", unsigned_submission_rejected),
 ]
 MANAGER = "placement_manager"
 

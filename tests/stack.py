@@ -51,6 +51,7 @@ TEST_USERS: dict[str, list[str]] = {
     "race@example.com": ["user"],
     "pace@example.com": ["user"],
     "ops@example.com": ["user"],
+    "recorder@example.com": ["user"],  # scripts/record_histories.py
     # A peer refuses this name whoever signs it (tests/security/test_security_admission.py).
     "local_admin": ["user"],
 }

@@ -25,6 +25,7 @@ from temporalio.worker import Replayer
 from cli.ops import replay_histories, workflow_type_of
 from workflows.job import (
     ATTEMPTS_PATCH,
+    AUTH_PATCH,
     BUNDLE_PATCH,
     EARLIER_ATTEMPT_PATCH,
     HOME_LEDGER_PATCH,
@@ -58,6 +59,9 @@ PATCHED_PATHS = {
     "local_through_the_ledger": HOME_LEDGER_PATCH,
     # A pinned job's attempt that succeeded on a peer while it was lost is the result (no re-run).
     "earlier_attempt_succeeded": EARLIER_ATTEMPT_PATCH,
+    # Issue 16: a signed submission whose bare cancel signal is ignored; an unsigned start rejected.
+    "unsigned_cancel_ignored": AUTH_PATCH,
+    "unsigned_submission_rejected": AUTH_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}
