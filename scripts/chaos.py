@@ -235,7 +235,7 @@ class ChaosStack:
         """The controller itself (past its proxy), signed as the home cluster."""
         port = self.internal_ports.get(cluster, self.config.cluster(cluster).port)
         signer = TokenSigner.from_config(self.config, self.config.home, self.key_dir)
-        return ControllerClient(f"http://127.0.0.1:{port}", timeout=timeout, signer=signer)
+        return ControllerClient(f"http://127.0.0.1:{port}", timeout=timeout, signer=signer, audience=cluster)
 
 
 async def start_stack(root: Path, options: Options) -> ChaosStack:

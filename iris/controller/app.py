@@ -27,7 +27,7 @@ from iris.controller.artifacts import ArtifactCheckRequest, ArtifactReport, chec
 from iris.controller.bundles import BundleInfo
 from iris.controller.errors import ControllerError, InvalidArgument, NotFound, PermissionDenied
 from iris.controller.executors import MAX_LOG_CHUNK, Executor
-from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, default_key_dir
+from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, body_sha256, default_key_dir
 from iris.controller.models import (
     BackendsResponse,
     ErrorBody,
@@ -73,15 +73,40 @@ async def executor_of(request: Request) -> Executor:
     return executor
 
 
-async def authenticate(request: Request) -> Caller:
+def _signed_target(request: Request) -> str:
+    """The path and query string exactly as received, which the token's ``htp`` claim must equal
+    (docs/DESIGN.md, "Identity tokens")."""
+    raw: bytes = request.scope.get("raw_path") or request.scope["path"].encode()
+    query: bytes = request.scope.get("query_string", b"")
+    return (raw + b"?" + query if query else raw).decode("latin-1")
+
+
+async def _authenticate(request: Request, *, streamed: bool) -> Caller:
     admission: Admission = request.app.state.admission
-    caller = admission.authenticate(request.headers.get("authorization"))
+    caller = await admission.authenticate(
+        request.headers.get("authorization"),
+        method=request.method,
+        target=_signed_target(request),
+        # Read only once the signature is good (a route with a JSON body has it read already);
+        # a non-upload body is at most MAX_BODY_BYTES.
+        read_body=None if streamed else request.body,
+    )
     request.state.caller = caller
     return caller
 
 
+async def authenticate(request: Request) -> Caller:
+    return await _authenticate(request, streamed=False)
+
+
+async def authenticate_streamed(request: Request) -> Caller:
+    """For an upload the route reads itself: the body hash is checked by the route, once read."""
+    return await _authenticate(request, streamed=True)
+
+
 ExecutorDep = Annotated[Executor, Depends(executor_of)]
 CallerDep = Annotated[Caller, Depends(authenticate)]
+StreamedCallerDep = Annotated[Caller, Depends(authenticate_streamed)]
 
 
 def create_app(
@@ -253,10 +278,11 @@ def create_app(
         max_body_size=MAX_ARCHIVE_BYTES,
     )
     async def put_bundle(
-        sha256: str, request: Request, executor: ExecutorDep, caller: CallerDep
+        sha256: str, request: Request, executor: ExecutorDep, caller: StreamedCallerDep
     ) -> BundleInfo:
         """Store a workspace bundle under its sha256 (idempotent; refused unless the bytes hash to
-        it and form an acceptable bundle). The caller is authenticated before the body is read."""
+        it and form an acceptable bundle). The caller is authenticated before the body is read, and
+        the body checked against the token's body hash before it is stored."""
         if not admission.may_submit(caller):
             raise PermissionDenied(f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}")
         sha = bundle_id(sha256)
@@ -268,6 +294,7 @@ def create_app(
             body += chunk
             if len(body) > MAX_ARCHIVE_BYTES:  # a chunked body has no length to refuse up front
                 raise InvalidArgument(f"bundle larger than {human_size(MAX_ARCHIVE_BYTES)}")
+        admission.check_body(caller, body_sha256(body))
         try:
             info = await asyncio.to_thread(executor.bundles.put, sha, bytes(body))
         except BundleError as exc:

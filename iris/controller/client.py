@@ -1,11 +1,14 @@
 """Async client of the cluster controller API, mapping every failure to a typed ControllerError.
 
-    async with ControllerClient(cluster.url, signer=signer) as c:
+    async with ControllerClient(cluster.url, signer=signer, audience=cluster.name) as c:
         status = await c.launch(request)
 
-Connection errors, timeouts and 5xx answers raise Unavailable; error bodies raise the class of their
-code. With a ``signer`` each request carries a freshly minted identity token, so a retried call never
-replays a token id.
+Connection errors, timeouts, 408, 429 and 5xx answers raise Unavailable (retryable, whatever their
+body); other error bodies raise the class of their code. An answer is read up to
+MAX_RESPONSE_BYTES, never more (Unavailable beyond). With a ``signer`` each request carries a freshly
+minted identity token bound to the target cluster (``audience``) and to the exact method, path,
+query and body sent (docs/DESIGN.md, "Identity tokens"), so a retried call never replays a token id
+and a captured token opens nothing else.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ from iris.controller.models import (
 M = TypeVar("M", bound=BaseModel)
 # The slowest link an upload is given time for, beyond the client's own timeout (1 MiB/s).
 UPLOAD_BYTES_PER_S = float(1 << 20)
+# The largest answer read from a controller (a 1 MiB log chunk, JSON-escaped, fits many times);
+# a larger one is refused while streaming, so a hostile peer cannot fill the caller's memory.
+MAX_RESPONSE_BYTES = 16 << 20
+# Of an error answer only a short message is kept.
+MAX_ERROR_BYTES = 64 << 10
+# Answers that mean "try again later", whatever their body (a proxy's HTML page, say).
+TRANSIENT_STATUSES = frozenset({408, 429})
 
 
 @functools.cache
@@ -60,11 +70,19 @@ class ControllerClient:
         *,
         timeout: float = 10.0,
         signer: TokenSigner | None = None,
+        audience: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
+        """``audience`` is the id of the cluster this controller serves: the tokens are addressed
+        to it (required with a ``signer``)."""
+        if signer is not None and not audience:
+            raise ValueError("a signing ControllerClient needs the target cluster id (audience)")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._signer = signer
+        self.audience = audience
+        self.max_response_bytes = max_response_bytes
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, verify=_tls_context()
         )
@@ -89,7 +107,7 @@ class ControllerClient:
         signer = None
         if target.auth is not None:
             signer = TokenSigner.from_config(config, as_cluster or config.home, key_dir)
-        return cls(target.url, timeout=timeout, signer=signer)
+        return cls(target.url, timeout=timeout, signer=signer, audience=target.name)
 
     async def __aenter__(self) -> ControllerClient:
         return self
@@ -116,39 +134,58 @@ class ControllerClient:
         params: dict[str, Any] | None = None,
         request_timeout: float | None = None,
     ) -> M:
-        headers = {"Authorization": self._signer.authorization()} if self._signer else {}
+        # identity: the cap counts the bytes as they will be parsed (no decompression bomb).
+        headers = {"Accept-Encoding": "identity"}
         if content is not None:
             headers["Content-Type"] = "application/octet-stream"
-        try:
-            resp = await self._http.request(
-                method,
-                path,
-                json=json,
-                content=content,
-                params=params,
-                headers=headers,
-                timeout=request_timeout if request_timeout is not None else self.timeout,
+        req = self._http.build_request(
+            method,
+            path,
+            json=json,
+            content=content,
+            params=params,
+            headers=headers,
+            timeout=request_timeout if request_timeout is not None else self.timeout,
+        )
+        if self._signer is not None:
+            assert self.audience is not None  # checked in __init__
+            # Bound to what goes on the wire: the encoded path and query, the exact body bytes.
+            req.headers["Authorization"] = self._signer.authorization(
+                self.audience, req.method, req.url.raw_path.decode("ascii"), req.content
             )
+        try:
+            resp = await self._http.send(req, stream=True)
+            try:
+                limit = self.max_response_bytes if resp.is_success else MAX_ERROR_BYTES
+                body = await _read_capped(resp, limit)
+            finally:
+                await resp.aclose()
         except httpx.TimeoutException as exc:
             raise Unavailable(f"{self.base_url}: timed out ({type(exc).__name__})") from None
         except httpx.HTTPError as exc:
             raise Unavailable(f"{self.base_url}: {type(exc).__name__}: {exc}") from None
         if resp.is_success:
+            if body is None:
+                raise Unavailable(
+                    f"{self.base_url}: the answer to {method} {path} is larger than "
+                    f"{self.max_response_bytes} bytes; not read"
+                )
             try:
-                return model.model_validate_json(resp.content)
+                return model.model_validate_json(body)
             except ValidationError as exc:
                 raise Unavailable(f"{self.base_url}: unexpected response to {method} {path}: {exc}") from None
-        raise self._error(resp)
+        raise self._error(resp, body)
 
-    def _error(self, resp: httpx.Response) -> ControllerError:
-        if resp.status_code >= 500:
-            # A 5xx is the service's trouble, whatever the body says: always worth a retry.
-            return Unavailable(f"{self.base_url}: HTTP {resp.status_code}: {_message(resp)}")
+    def _error(self, resp: httpx.Response, body: bytes | None) -> ControllerError:
+        message = _message(resp, body)
+        if resp.status_code >= 500 or resp.status_code in TRANSIENT_STATUSES:
+            # The service's trouble or "try later", whatever the body says: always worth a retry.
+            return Unavailable(f"{self.base_url}: HTTP {resp.status_code}: {message}")
         try:
-            body = ErrorBody.model_validate_json(resp.content)
+            parsed = ErrorBody.model_validate_json(body or b"")
         except ValidationError:
-            return ControllerError("INVALID_ARGUMENT", f"HTTP {resp.status_code}: {_message(resp)}")
-        return error_for(body.code, body.message)
+            return ControllerError("INVALID_ARGUMENT", f"HTTP {resp.status_code}: {message}")
+        return error_for(parsed.code, parsed.message)
 
     async def health(self) -> HealthResponse:
         return await self._request("GET", "/v1/health", HealthResponse)
@@ -222,6 +259,23 @@ class ControllerClient:
         )
 
 
-def _message(resp: httpx.Response) -> str:
-    text = resp.text.strip().replace("\n", " ")
+async def _read_capped(resp: httpx.Response, limit: int) -> bytes | None:
+    """The body of ``resp``, or None (having stopped reading) if it is longer than ``limit``."""
+    length = resp.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return None
+    if resp.headers.get("content-encoding", "identity").strip().lower() != "identity":
+        raise httpx.DecodingError("a compressed answer was not asked for")
+    body = bytearray()
+    async for chunk in resp.aiter_raw():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
+def _message(resp: httpx.Response, body: bytes | None) -> str:
+    if body is None:
+        return f"{resp.reason_phrase} (error body too large to show)"
+    text = body.decode("utf-8", errors="replace").strip().replace("\n", " ")
     return text[:200] if text else resp.reason_phrase

@@ -1,9 +1,11 @@
 """Signed cluster identity and admission (docs/DESIGN.md, "Identity tokens", "Admission order").
 
-A requester cluster signs every request with a fresh short-lived EdDSA (Ed25519) JWT:
-``aud=federation``, ``iss=sub=<requester cluster>``, a unique ``jti`` and ``exp - iat <= 300 s``.
-A controller verifies it against the requester's pinned public key and refuses replays of a ``jti``
-within its lifetime (remembered in SQLite, so a restart does not reopen the window).
+A requester cluster signs every request with a fresh short-lived EdDSA (Ed25519) JWT bound to it:
+``aud=<target cluster>``, ``iss=sub=<requester cluster>``, a unique ``jti``, ``exp - iat <= 300 s``,
+and the request itself: ``htm`` (method), ``htp`` (path and query string, as sent) and ``bsh`` (hex
+SHA-256 of the exact body bytes, of ``b""`` when there is none). A controller verifies it against
+the requester's pinned public key, its own cluster id and the actual request, and refuses replays of
+a ``jti`` within its lifetime (remembered in SQLite, so a restart does not reopen the window).
 
 Key files: ``generate_keypair(dir, cluster)`` writes ``<cluster>.key`` (PKCS#8 PEM, mode 0600)
 and ``<cluster>.pub``; ``ensure_cluster_keys(config, key_dir)`` creates every missing key pair
@@ -12,11 +14,14 @@ the config names, which is how ``iris dev`` bootstraps the demo without a manual
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
+import hashlib
+import hmac
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from iris.config import AuthConfig, ClusterConfig, ConfigError, FederationConfig
 from iris.controller.errors import Unauthenticated
 
-AUDIENCE = "federation"
 ALGORITHM = "EdDSA"
 MAX_TOKEN_LIFETIME_S = 300
 CLOCK_LEEWAY_S = 10
@@ -37,6 +41,16 @@ KEY_DIR_ENV = "IRIS_KEY_DIR"
 PRIVATE_SUFFIX = ".key"
 PUBLIC_SUFFIX = ".pub"
 _MAX_TOKEN_CHARS = 4096
+# The request-binding claims (docs/DESIGN.md, "Identity tokens").
+METHOD_CLAIM = "htm"
+TARGET_CLAIM = "htp"
+BODY_CLAIM = "bsh"
+_REQUIRED_CLAIMS = ["exp", "iat", "iss", "sub", "aud", "jti", METHOD_CLAIM, TARGET_CLAIM, BODY_CLAIM]
+
+
+def body_sha256(body: bytes | bytearray) -> str:
+    """The ``bsh`` claim of a request body: hex SHA-256 of its exact bytes (of ``b""`` if none)."""
+    return hashlib.sha256(body).hexdigest()
 
 
 # ---- keys --------------------------------------------------------------------------------------
@@ -189,39 +203,56 @@ class TokenSigner:
         key = load_private_key(cluster, key_dir or default_key_dir())
         return cls(cluster_name, key, ttl_s=auth.token_ttl_s)
 
-    def token(self) -> str:
+    def token(self, audience: str, method: str, target: str, body: bytes = b"") -> str:
+        """A token for one request: to cluster ``audience``, ``method`` on ``target`` (the path
+        with its query string, exactly as sent), carrying exactly ``body``."""
         now = int(time.time())
         claims = {
             "iss": self.cluster_name,
             "sub": self.cluster_name,
-            "aud": AUDIENCE,
+            "aud": audience,
             "iat": now,
             "nbf": now,
             "exp": now + self.ttl_s,
             "jti": uuid.uuid4().hex,
+            METHOD_CLAIM: method.upper(),
+            TARGET_CLAIM: target,
+            BODY_CLAIM: body_sha256(body),
         }
         return jwt.encode(claims, self._key, algorithm=ALGORITHM)
 
-    def authorization(self) -> str:
-        return f"Bearer {self.token()}"
+    def authorization(self, audience: str, method: str, target: str, body: bytes = b"") -> str:
+        return f"Bearer {self.token(audience, method, target, body)}"
 
     def __repr__(self) -> str:  # never show the key
         return f"TokenSigner(cluster_name={self.cluster_name!r}, ttl_s={self.ttl_s})"
 
 
-class TokenVerifier:
-    """Verifies identity tokens against pinned public keys; ``remember`` refuses replayed ``jti``s.
+@dataclass(frozen=True)
+class VerifiedToken:
+    """A token whose signature, times, audience, method and target were checked: the body and the
+    ``jti`` are checked next (``Admission.authenticate``)."""
 
-    ``remember(key, expires_ms)`` returns False when ``key`` was already seen.
-    """
+    issuer: str
+    replay_key: str
+    expires_ms: int
+    body_sha256: str
+
+
+class TokenVerifier:
+    """Verifies identity tokens addressed to ``audience`` (this cluster's id) against pinned public
+    keys; the replay store (``remember(key, expires_ms)``, False when ``key`` was already seen)
+    refuses replayed ``jti``s."""
 
     def __init__(
         self,
+        audience: str,
         keys: dict[str, Ed25519PublicKey],
         remember: Callable[[str, int], bool] | None = None,
         *,
         leeway_s: int = CLOCK_LEEWAY_S,
     ) -> None:
+        self.audience = audience
         self._keys = dict(keys)
         self._remember = remember
         self._leeway = leeway_s
@@ -229,8 +260,8 @@ class TokenVerifier:
     def set_replay_store(self, remember: Callable[[str, int], bool]) -> None:
         self._remember = remember
 
-    def verify(self, token: str) -> str:
-        """Return the verified issuer cluster; raise Unauthenticated with the reason otherwise."""
+    def verify(self, token: str, *, method: str, target: str) -> VerifiedToken:
+        """Check everything but the body and the ``jti``; raise Unauthenticated with the reason."""
         if not token or len(token) > _MAX_TOKEN_CHARS:
             raise Unauthenticated("malformed identity token")
         try:
@@ -248,13 +279,17 @@ class TokenVerifier:
                 token,
                 self._keys[issuer],
                 algorithms=[ALGORITHM],
-                audience=AUDIENCE,
+                audience=self.audience,
                 issuer=issuer,
                 leeway=self._leeway,
-                options={"require": ["exp", "iat", "iss", "sub", "aud", "jti"]},
+                options={"require": _REQUIRED_CLAIMS, "strict_aud": True},
             )
         except jwt.ExpiredSignatureError:
             raise Unauthenticated("identity token expired") from None
+        except jwt.InvalidAudienceError:
+            raise Unauthenticated(
+                f"identity token rejected: InvalidAudienceError (not addressed to cluster {self.audience})"
+            ) from None
         except jwt.PyJWTError as exc:
             raise Unauthenticated(f"identity token rejected: {type(exc).__name__}") from None
         if claims.get("sub") != issuer:
@@ -266,11 +301,25 @@ class TokenVerifier:
             raise Unauthenticated(f"identity token lifetime exceeds {MAX_TOKEN_LIFETIME_S} s")
         if not isinstance(jti, str) or not 8 <= len(jti) <= 128:
             raise Unauthenticated("identity token needs a unique jti")
+        if claims[METHOD_CLAIM] != method.upper():
+            raise Unauthenticated(f"identity token was signed for another method (this is {method.upper()})")
+        if claims[TARGET_CLAIM] != target:
+            raise Unauthenticated("identity token was signed for another path or query")
+        bsh = claims[BODY_CLAIM]
+        if not isinstance(bsh, str):
+            raise Unauthenticated("identity token body hash must be a string")
+        return VerifiedToken(issuer, f"{issuer}:{jti}", int((exp + self._leeway) * 1000), bsh)
+
+    def check_body(self, verified: VerifiedToken, digest: str) -> None:
+        if not hmac.compare_digest(verified.body_sha256, digest):
+            raise Unauthenticated("identity token was signed for another request body")
+
+    async def remember(self, verified: VerifiedToken) -> None:
+        """Record the ``jti`` (off the event loop: SQLite); Unauthenticated if it was already used."""
         if self._remember is None:
             raise RuntimeError("token verifier has no replay store")
-        if not self._remember(f"{issuer}:{jti}", int((exp + self._leeway) * 1000)):
+        if not await asyncio.to_thread(self._remember, verified.replay_key, verified.expires_ms):
             raise Unauthenticated("identity token replayed (jti already used)")
-        return issuer
 
 
 # ---- admission ---------------------------------------------------------------------------------
@@ -282,6 +331,8 @@ class Caller:
 
     cluster: str | None
     admin: bool = False
+    # The body hash the token signed, when the route reads the body after authentication.
+    body_sha256: str | None = None
 
     def may_access(self, requester: str) -> bool:
         return self.admin or self.cluster is None or self.cluster == requester
@@ -335,7 +386,7 @@ class Admission:
                     f"cluster {cluster.name}: trusted cluster {name!r} has no public key configured"
                 )
             keys[name] = load_public_key(peer, key_dir)
-        return cls(cluster.name, auth, TokenVerifier(keys))
+        return cls(cluster.name, auth, TokenVerifier(cluster.name, keys))
 
     @property
     def enabled(self) -> bool:
@@ -345,7 +396,19 @@ class Admission:
         if self._verifier is not None:
             self._verifier.set_replay_store(store.remember_token)
 
-    def authenticate(self, authorization: str | None) -> Caller:
+    async def authenticate(
+        self,
+        authorization: str | None,
+        *,
+        method: str,
+        target: str,
+        read_body: Callable[[], Awaitable[bytes]] | None,
+    ) -> Caller:
+        """Who sends this request: its token must be addressed to this cluster and bound to
+        ``method``, ``target`` (path and query as received) and the body ``read_body`` returns
+        (called only once the signature and those claims are good). With ``read_body=None`` (a
+        streamed upload) the caller carries the signed body hash and the route checks the bytes
+        with ``check_body`` once read, before acting on them; the ``jti`` is spent before that."""
         if self._auth is None or self._verifier is None:
             return Caller(cluster=None, admin=True)
         if not authorization:
@@ -353,8 +416,20 @@ class Admission:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("the Authorization header must be 'Bearer <jwt>'")
-        issuer = self._verifier.verify(token.strip())
-        return Caller(cluster=issuer, admin=issuer in self._auth.admins)
+        verified = self._verifier.verify(token.strip(), method=method, target=target)
+        if read_body is not None:
+            self._verifier.check_body(verified, body_sha256(await read_body()))
+        await self._verifier.remember(verified)
+        return Caller(
+            cluster=verified.issuer,
+            admin=verified.issuer in self._auth.admins,
+            body_sha256=None if read_body is not None else verified.body_sha256,
+        )
+
+    def check_body(self, caller: Caller, digest: str) -> None:
+        """For a streamed body: Unauthenticated unless its SHA-256 is the one the token signed."""
+        if caller.body_sha256 is not None and not hmac.compare_digest(caller.body_sha256, digest):
+            raise Unauthenticated("identity token was signed for another request body")
 
     def may_submit(self, caller: Caller) -> bool:
         """Only trusted requesters hand jobs in (admins may be trusted to look, not to launch)."""

@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
 CREATE TABLE IF NOT EXISTS seen_tokens (jti TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS seen_tokens_expiry ON seen_tokens (expires_ms);
 """
 
 
@@ -202,6 +204,9 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self._tokens_db: sqlite3.Connection | None = None
+        self._tokens_lock = threading.Lock()
+        self._tokens_closed = False
         row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             self._db.execute(
@@ -226,6 +231,11 @@ class StateStore:
                 raise
 
     def close(self) -> None:
+        with self._tokens_lock:
+            self._tokens_closed = True
+            if self._tokens_db is not None:
+                self._tokens_db.close()
+                self._tokens_db = None
         self._db.close()
         self._lock.close()
 
@@ -295,19 +305,32 @@ class StateStore:
         )
 
     def remember_token(self, jti: str, expires_ms: int) -> bool:
-        """Record a token id; False if it was already seen (a replay). Expired ids are purged."""
+        """Record a token id; False if it was already seen (a replay). Expired ids are pruned (by
+        the ``seen_tokens_expiry`` index).
+
+        Called from a worker thread (``asyncio.to_thread``, docs/DESIGN.md "Identity tokens"), so
+        it has its own connection, serialized by a lock: the event loop's connection is never
+        shared across threads, and its transactions never interleave with this one.
+        """
         now = now_ms()
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            self._db.execute("DELETE FROM seen_tokens WHERE expires_ms < ?", (now,))
+        with self._tokens_lock:
+            if self._tokens_closed:
+                raise RuntimeError("the state store is closed")
+            if self._tokens_db is None:
+                self._tokens_db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                self._tokens_db.execute("PRAGMA busy_timeout=5000")
+            db = self._tokens_db
+            db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("INSERT INTO seen_tokens (jti, expires_ms) VALUES (?, ?)", (jti, expires_ms))
-            except sqlite3.IntegrityError:
-                self._db.execute("ROLLBACK")
-                return False
-            self._db.execute("COMMIT")
-            return True
-        except BaseException:
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            raise
+                db.execute("DELETE FROM seen_tokens WHERE expires_ms < ?", (now,))
+                try:
+                    db.execute("INSERT INTO seen_tokens (jti, expires_ms) VALUES (?, ?)", (jti, expires_ms))
+                except sqlite3.IntegrityError:
+                    db.execute("ROLLBACK")
+                    return False
+                db.execute("COMMIT")
+                return True
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise

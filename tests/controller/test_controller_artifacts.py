@@ -33,6 +33,7 @@ from controller_harness import (
 )
 from moto import settings as moto_settings
 from moto.server import ThreadedMotoServer
+from signing import SignerAuth
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
@@ -199,7 +200,7 @@ async def test_a_store_outage_is_unavailable(world: World) -> None:
         resp = await http.post(
             "/v1/artifacts/check",
             json={"uris": [f"s3://{BUCKET}/data/shard-0"]},
-            headers={"Authorization": world.signer().authorization()},
+            auth=SignerAuth(world.signer(), "dark"),
         )
     assert resp.status_code == 503, resp.text
     body = resp.json()
@@ -215,7 +216,7 @@ async def test_only_a_verified_caller_may_ask(world: World) -> None:
         anonymous = await http.post("/v1/artifacts/check", json=body)
         # The peer's own key: a real federation member, but not one the peer trusts to ask.
         untrusted = await http.post(
-            "/v1/artifacts/check", json=body, headers={"Authorization": world.signer("peer").authorization()}
+            "/v1/artifacts/check", json=body, auth=SignerAuth(world.signer("peer"), "peer")
         )
     for resp in (anonymous, untrusted):
         assert resp.status_code == 401, resp.text
@@ -240,9 +241,7 @@ async def test_only_a_verified_caller_may_ask(world: World) -> None:
 )
 async def test_a_malformed_request_is_invalid_argument(world: World, body: Any) -> None:
     async with httpx.AsyncClient(base_url=world.peer.url, timeout=30) as http:
-        resp = await http.post(
-            "/v1/artifacts/check", json=body, headers={"Authorization": world.signer().authorization()}
-        )
+        resp = await http.post("/v1/artifacts/check", json=body, auth=SignerAuth(world.signer(), "peer"))
     assert resp.status_code == 400, resp.text
     assert resp.json()["code"] == "INVALID_ARGUMENT"
     assert "s3://" not in resp.json()["message"]  # the input is never echoed

@@ -6,10 +6,12 @@ Each refusal has a test that passes only while its check is in place.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,29 +20,33 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jwt
 import pytest
 from controller_harness import (
     Controller,
     cluster,
     federation,
+    free_port,
     gpu_backend,
     key_auth,
     make_keys,
     py,
     request,
+    restart,
     signer_for,
     start_controller,
     wait_terminal,
     write_config,
 )
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from signing import SignerAuth, Token
 
+from iris.bundle import pack
 from iris.config import load_config
 from iris.controller.client import ControllerClient
-from iris.controller.errors import AlreadyExists, PermissionDenied, Unauthenticated
+from iris.controller.errors import AlreadyExists, NotFound, PermissionDenied, Unauthenticated
 from iris.controller.identity import TokenSigner, load_private_key, submitter_matches
 from iris.controller.models import ControllerJobState as S
+from iris.controller.state import StateStore, now_ms
 
 
 @dataclass
@@ -58,6 +64,12 @@ class AuthWorld:
 
     def client(self, name: str | None, ctl: Controller | None = None) -> ControllerClient:
         return (ctl or self.peer).client(self.signer(name) if name else None)
+
+    def token(self, signer: str = "home", *, audience: str = "peer", **overrides: Any) -> Token:
+        """Claims of ``iss`` (default home) signed with ``signer``'s key, bound to the request they
+        are sent with unless overridden."""
+        iss = overrides.pop("iss", "home")
+        return Token(self.key(signer), iss=iss, audience=audience, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +112,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthWorld]:
         closed_ctl.stop()
 
 
-def claims(iss: str = "home", **overrides: Any) -> dict[str, Any]:
-    now = int(time.time())
-    base = {"iss": iss, "sub": iss, "aud": "federation", "iat": now, "exp": now + 60, "jti": uuid.uuid4().hex}
-    base.update(overrides)
-    return {k: v for k, v in base.items() if v is not None}
-
-
-async def raw(ctl: Controller, method: str, path: str, token: str | None, body: Any = None) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+async def raw(
+    ctl: Controller, method: str, path: str, auth: str | Token | None, body: Any = None
+) -> httpx.Response:
+    """Send one request; a ``str`` is sent as the bearer token as is."""
+    headers = {"Authorization": f"Bearer {auth}"} if isinstance(auth, str) else {}
     async with httpx.AsyncClient(base_url=ctl.url, timeout=10) as http:
+        if isinstance(auth, Token):
+            return await http.request(method, path, json=body, auth=auth)
         return await http.request(method, path, headers=headers, json=body)
 
 
@@ -133,9 +143,7 @@ async def test_health_is_open_everything_else_needs_a_token(world: AuthWorld) ->
 
 
 async def test_valid_signature_is_accepted(world: AuthWorld) -> None:
-    resp = await raw(
-        world.peer, "GET", "/v1/backends", jwt.encode(claims(), world.key("home"), algorithm="EdDSA")
-    )
+    resp = await raw(world.peer, "GET", "/v1/backends", world.token())
     assert resp.status_code == 200, resp.text
 
 
@@ -146,6 +154,15 @@ async def test_valid_signature_is_accepted(world: AuthWorld) -> None:
         ("untrusted issuer with its own key", "stranger", {"iss": "stranger", "sub": "stranger"}),
         ("unknown issuer", "home", {"iss": "nobody", "sub": "nobody"}),
         ("wrong audience", "home", {"aud": "someone-else"}),
+        ("the old shared audience", "home", {"aud": "federation"}),
+        ("addressed to another cluster", "home", {"aud": "closed"}),
+        ("several audiences", "home", {"aud": ["peer", "closed"]}),
+        ("signed for another method", "home", {"htm": "GET"}),
+        ("signed for another path", "home", {"htp": "/v1/backends"}),
+        ("signed for another body", "home", {"bsh": hashlib.sha256(b"{}").hexdigest()}),
+        ("no method claim", "home", {"htm": None}),
+        ("no path claim", "home", {"htp": None}),
+        ("no body claim", "home", {"bsh": None}),
         ("subject differs from issuer", "home", {"sub": "other"}),
         ("lifetime over 5 minutes", "home", {"exp": int(time.time()) + 400, "iat": int(time.time())}),
         ("expired", "home", {"iat": int(time.time()) - 200, "exp": int(time.time()) - 100}),
@@ -157,8 +174,7 @@ async def test_valid_signature_is_accepted(world: AuthWorld) -> None:
 async def test_bad_tokens_are_unauthenticated(
     world: AuthWorld, case: str, signer: str, overrides: dict[str, Any]
 ) -> None:
-    token = jwt.encode(claims(**overrides), world.key(signer), algorithm="EdDSA")
-    resp = await raw(world.peer, "POST", "/v1/jobs", token, launch_body())
+    resp = await raw(world.peer, "POST", "/v1/jobs", world.token(signer, **overrides), launch_body())
     assert resp.status_code == 401, f"{case}: {resp.text}"
     assert resp.json()["code"] == "UNAUTHENTICATED"
 
@@ -171,8 +187,9 @@ async def test_token_signed_with_another_algorithm_is_refused(world: AuthWorld) 
     def b64(data: bytes) -> str:
         return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
+    claims = world.token().bound(httpx.Request("GET", world.peer.url + "/v1/backends"))
     signing_input = (
-        b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "." + b64(json.dumps(claims()).encode())
+        b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode()) + "." + b64(json.dumps(claims).encode())
     )
     token = signing_input + "." + b64(hmac.new(pub, signing_input.encode(), hashlib.sha256).digest())
     for alg_none in (signing_input + ".", b64(b'{"alg":"none"}') + "." + signing_input.split(".")[1] + "."):
@@ -182,10 +199,146 @@ async def test_token_signed_with_another_algorithm_is_refused(world: AuthWorld) 
 
 
 async def test_replayed_token_is_refused(world: AuthWorld) -> None:
-    token = jwt.encode(claims(), world.key("home"), algorithm="EdDSA")
+    token = world.token()  # the same claims for the same request: the same JWT, verbatim
     assert (await raw(world.peer, "GET", "/v1/backends", token)).status_code == 200
     again = await raw(world.peer, "GET", "/v1/backends", token)
     assert again.status_code == 401 and "replayed" in again.json()["message"]
+
+
+# ---- bound tokens (issue 16): a captured token opens nothing but the request it was signed for -----
+
+
+async def test_a_token_captured_at_one_cluster_is_refused_at_another(world: AuthWorld) -> None:
+    """``closed`` and ``peer`` both trust home. A request home really sent to ``closed``, replayed
+    verbatim at ``peer`` (aud names the target cluster), is refused."""
+    captured: list[str] = []
+    async with httpx.AsyncClient(base_url=world.closed.url, timeout=10) as http:
+        sent = await http.get("/v1/backends", auth=SignerAuth(world.signer("home"), "closed", captured))
+    assert sent.status_code == 200, sent.text
+    resp = await raw(world.peer, "GET", "/v1/backends", captured[0])
+    assert resp.status_code == 401, resp.text
+    assert "not addressed to cluster peer" in resp.json()["message"]
+
+
+async def test_a_token_signed_for_one_body_is_refused_with_another(world: AuthWorld) -> None:
+    """A handoff intercepted before it arrived, its body swapped: refused, and nothing runs."""
+    job_id = f"home/bound-body-{uuid.uuid4().hex[:6]}"
+    good = launch_body(job_id=job_id)
+    evil = {**good, "command": ["sh", "-c", "echo pwned"]}
+    signed_body = httpx.Request("POST", world.peer.url + "/v1/jobs", json=good).content
+    token = world.signer("home").token("peer", "POST", "/v1/jobs", signed_body)
+    resp = await raw(world.peer, "POST", "/v1/jobs", token, evil)
+    assert resp.status_code == 401, resp.text
+    assert "another request body" in resp.json()["message"]
+    async with world.client("home") as c:
+        with pytest.raises(NotFound):
+            await c.status(job_id)
+    # The token was refused before its jti was spent: the request it was signed for still goes.
+    assert (await raw(world.peer, "POST", "/v1/jobs", token, good)).status_code == 200
+
+
+SHA = hashlib.sha256(b"not a bundle").hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("signed", "sent", "message"),
+    [
+        (("GET", "/v1/jobs/home/some-job"), ("GET", "/v1/backends"), "another path"),
+        (("GET", f"/v1/bundles/{SHA}"), ("PUT", f"/v1/bundles/{SHA}"), "another method"),
+        (("GET", "/v1/jobs"), ("POST", "/v1/jobs"), "another method"),
+        # A fenced terminate (only attempt 1's run) turned into an unfenced one.
+        (
+            ("POST", "/v1/jobs/home/some-job/terminate?nonce=home%2Fsome-job%401"),
+            ("POST", "/v1/jobs/home/some-job/terminate"),
+            "another path or query",
+        ),
+        (
+            ("GET", "/v1/jobs/home/some-job/logs?offset=0"),
+            ("GET", "/v1/jobs/home/some-job/logs?offset=0&follow=true&wait_s=60"),
+            "another path or query",
+        ),
+    ],
+    ids=["path", "method-put", "method-post", "query-dropped", "query-added"],
+)
+async def test_a_token_signed_for_one_request_is_refused_for_another(
+    world: AuthWorld, signed: tuple[str, str], sent: tuple[str, str], message: str
+) -> None:
+    token = world.signer("home").token("peer", *signed)
+    resp = await raw(world.peer, *sent, token)
+    assert resp.status_code == 401, resp.text
+    assert message in resp.json()["message"]
+
+
+async def test_an_upload_is_checked_against_the_signed_body(world: AuthWorld, tmp_path: Path) -> None:
+    """The bundle upload is streamed after authentication: its bytes are hashed as read, and a body
+    other than the signed one is refused before anything is stored."""
+    (tmp_path / "main.py").write_text("print('hi')\n")
+    bundle = pack(tmp_path)
+    assert bundle is not None
+    path = f"/v1/bundles/{bundle.ref.sha256}"
+    other = Token(world.key("home"), iss="home", audience="peer", bsh=hashlib.sha256(b"other").hexdigest())
+    async with httpx.AsyncClient(base_url=world.peer.url, timeout=10) as http:
+        resp = await http.put(path, content=bundle.data, auth=other)
+        assert resp.status_code == 401, resp.text
+        assert "another request body" in resp.json()["message"]
+        assert (await http.get(path, auth=world.token())).status_code == 404  # nothing stored
+        ok = await http.put(path, content=bundle.data, auth=world.token())
+        assert ok.status_code == 200, ok.text
+
+
+async def test_a_token_replayed_after_a_restart_is_refused(world: AuthWorld, tmp_path: Path) -> None:
+    """The used-jti memory is in the controller's SQLite state: a kill -9 and restart keep it."""
+    ctl = start_controller(
+        world.config_path, "peer", tmp_path / "state", port=free_port(), key_dir=world.key_dir
+    )
+    try:
+        token = world.token()
+        assert (await raw(ctl, "GET", "/v1/backends", token)).status_code == 200
+        ctl.kill9()
+        ctl = restart(ctl)
+        again = await raw(ctl, "GET", "/v1/backends", token)
+        assert again.status_code == 401, again.text
+        assert "replayed" in again.json()["message"]
+        assert (await raw(ctl, "GET", "/v1/backends", world.token())).status_code == 200
+    finally:
+        ctl.stop()
+
+
+async def test_the_jti_store_does_not_block_the_event_loop(world: AuthWorld, tmp_path: Path) -> None:
+    """Another writer holds controller.db: a signed request waits for the store, but on a thread;
+    the controller keeps answering meanwhile."""
+    ctl = start_controller(
+        world.config_path, "peer", tmp_path / "state", port=free_port(), key_dir=world.key_dir
+    )
+    try:
+        db = sqlite3.connect(ctl.state_dir / "controller.db", isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")  # the write lock the jti insert needs
+        try:
+            signed = asyncio.create_task(raw(ctl, "GET", "/v1/backends", world.token()))
+            await asyncio.sleep(0.5)
+            assert not signed.done()
+            async with httpx.AsyncClient(base_url=ctl.url, timeout=1.5) as http:
+                assert (await http.get("/v1/health")).status_code == 200
+        finally:
+            db.execute("ROLLBACK")
+            db.close()
+        assert (await signed).status_code == 200
+    finally:
+        ctl.stop()
+
+
+def test_the_jti_store_prunes_expired_ids_by_its_expiry_index(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    try:
+        assert store.remember_token("home:old", now_ms() - 1)
+        assert store.remember_token("home:new", now_ms() + 60_000)
+        assert not store.remember_token("home:new", now_ms() + 60_000)
+        with sqlite3.connect(store.path) as db:
+            assert db.execute("SELECT jti FROM seen_tokens").fetchall() == [("home:new",)]
+            plan = db.execute("EXPLAIN QUERY PLAN DELETE FROM seen_tokens WHERE expires_ms < 1").fetchall()
+            assert any("seen_tokens_expiry" in str(row) for row in plan), plan
+    finally:
+        store.close()
 
 
 # ---- admission -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from controller_harness import (
     wait_terminal,
 )
 from moto.server import ThreadedMotoServer
+from signing import SignerAuth
 
 from iris.controller.errors import Unauthenticated
 from iris.controller.identity import generate_keypair
@@ -169,10 +170,7 @@ async def test_no_secret_in_any_response_or_log(tmp_path: Path) -> None:
     bodies: list[str] = []
     tokens: list[str] = []
 
-    def signed() -> dict[str, str]:
-        token = signer.token()
-        tokens.append(token)
-        return {"Authorization": f"Bearer {token}"}
+    signed = SignerAuth(signer, "peer", tokens)
 
     try:
         async with httpx.AsyncClient(base_url=ctl.url, timeout=20) as http:
@@ -181,27 +179,30 @@ async def test_no_secret_in_any_response_or_log(tmp_path: Path) -> None:
             for method, path, kw in [
                 ("GET", "/v1/health", {}),
                 ("GET", "/openapi.json", {}),
-                ("GET", "/v1/backends", {"headers": signed()}),
-                ("POST", "/v1/jobs", {"headers": signed(), "json": good.model_dump(mode="json")}),
+                ("GET", "/v1/backends", {"auth": signed}),
+                ("POST", "/v1/jobs", {"auth": signed, "json": good.model_dump(mode="json")}),
                 # An invalid request carrying a secret in env: the error must not echo it.
                 (
                     "POST",
                     "/v1/jobs",
                     {
-                        "headers": signed(),
+                        "auth": signed,
                         "json": {**good.model_dump(mode="json"), "command": [], "x": requester_secret},
                     },
                 ),
-                ("GET", "/v1/jobs", {"headers": signed()}),
-                ("GET", "/v1/backends", {"headers": {"Authorization": "Bearer " + tokens[0]}}),  # replay
+                ("GET", "/v1/jobs", {"auth": signed}),
                 ("GET", "/v1/backends", {"headers": {"Authorization": "Bearer garbage"}}),
             ]:
                 resp = await http.request(method, path, **kw)
                 assert resp.status_code < 500
                 bodies.append(resp.text)
+            # The first token (GET /v1/backends), replayed verbatim.
+            resp = await http.get("/v1/backends", headers={"Authorization": "Bearer " + tokens[0]})
+            assert resp.status_code == 401
+            bodies.append(resp.text)
             # The controller signs its store requests with its own credentials: none may show.
             uris = ["s3://peer-bucket/present", "s3://peer-bucket/absent"]
-            resp = await http.post("/v1/artifacts/check", headers=signed(), json={"uris": uris})
+            resp = await http.post("/v1/artifacts/check", auth=signed, json={"uris": uris})
             assert resp.status_code == 200 and resp.json()["missing"] == uris[1:], resp.text
             bodies.append(resp.text)
         async with ctl.client(signer) as c:

@@ -78,7 +78,7 @@ def unique(name: str) -> str:
 async def direct(stack: Stack, cluster: str) -> AsyncIterator[ControllerClient]:
     """A client of ``cluster``'s controller itself, behind its fault proxy, signed as the home."""
     signer = TokenSigner.from_config(stack.config, stack.config.home, stack.key_dir)
-    async with ControllerClient(stack.proxies[cluster].upstream, signer=signer) as client:
+    async with ControllerClient(stack.proxies[cluster].upstream, signer=signer, audience=cluster) as client:
         yield client
 
 

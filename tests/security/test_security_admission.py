@@ -11,24 +11,28 @@ driven end to end, through a worker, to the job state a user sees.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import jwt
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from security_support import RESTRICTED_DOMAIN, Keys, Responses, Restricted
+from signing import Token
 from stack import Stack, wait_until
 
+from iris import devstack
 from iris.client import AsyncIrisClient
 from iris.config import FederationConfig
 from iris.contract import manager_workflow_id
+from iris.controller.client import ControllerClient
+from iris.controller.identity import TokenSigner
 from iris.controller.models import LaunchRequest
 from iris.jobs import JobSpec, JobState
 from iris.store import FederationStore
@@ -38,23 +42,11 @@ CLUSTERS = ["marin", "cw-us-east-02a", "cw-rno2a"]
 HOME = "marin"
 
 
-def claims(iss: str = HOME, **overrides: Any) -> dict[str, Any]:
-    now = int(time.time())
-    base: dict[str, Any] = {
-        "iss": iss,
-        "sub": iss,
-        "aud": "federation",
-        "iat": now,
-        "nbf": now,
-        "exp": now + 60,
-        "jti": uuid.uuid4().hex,
-    }
-    base.update(overrides)
-    return {k: v for k, v in base.items() if v is not None}
-
-
-def sign(key: Ed25519PrivateKey, **overrides: Any) -> str:
-    return jwt.encode(claims(**overrides), key, algorithm="EdDSA")
+def sign(key: Ed25519PrivateKey | None, *, algorithm: str = "EdDSA", **overrides: Any) -> Token:
+    """Claims of marin signed with ``key``; unless overridden, ``aud`` names the controller the
+    token is sent to, and ``htm``/``htp``/``bsh`` the request it is sent with (tests/signing.py)."""
+    iss = overrides.pop("iss", HOME)
+    return Token(key, iss=iss, audience=None, algorithm=algorithm, **overrides)
 
 
 def launch(
@@ -80,16 +72,30 @@ class Api:
     stack: Stack
     keys: Keys
     responses: Responses
+    audiences: dict[str, str] = field(default_factory=dict)
 
     def home_key(self) -> Ed25519PrivateKey:
         return self.keys.private(self.stack.config, HOME)
 
+    async def audience(self, url: str) -> str:
+        """The cluster id of the controller at ``url`` (it says so on /v1/health)."""
+        if url not in self.audiences:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                self.audiences[url] = (await http.get("/v1/health")).json()["cluster"]
+        return self.audiences[url]
+
     async def call(
-        self, url: str, method: str, path: str, token: str | None, body: Any = None
+        self, url: str, method: str, path: str, token: str | Token | None, body: Any = None
     ) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        """One request; a ``str`` token is sent as is (a captured one), a ``Token`` is signed for
+        this request at this controller."""
+        headers = {"Authorization": f"Bearer {token}"} if isinstance(token, str) else {}
+        auth = token.addressed(await self.audience(url)) if isinstance(token, Token) else None
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            resp = await http.request(method, path, headers=headers, json=body)
+            if auth is not None:
+                resp = await http.request(method, path, json=body, auth=auth)
+            else:
+                resp = await http.request(method, path, headers=headers, json=body)
         self.responses.add(resp.text)
         return resp
 
@@ -117,46 +123,66 @@ def refused(resp: httpx.Response, status: int, code: str, message: str) -> None:
 FRESH = Ed25519PrivateKey.generate()
 
 
-def _forged(api: Api) -> str:
+def _forged(api: Api) -> Token:
     return sign(FRESH)  # claims to be marin, signed by a key nobody pinned
 
 
-def _unknown_issuer(api: Api) -> str:
+def _unknown_issuer(api: Api) -> Token:
     return sign(FRESH, iss="mallory", sub="mallory")
 
 
-def _untrusted_member(api: Api) -> str:
+def _untrusted_member(api: Api) -> Token:
     # A real federation member's real key: peers trust only the home cluster to hand jobs in.
     return sign(
         api.keys.private(api.stack.config, "cw-us-east-02a"), iss="cw-us-east-02a", sub="cw-us-east-02a"
     )
 
 
-def _expired(api: Api) -> str:
+def _expired(api: Api) -> Token:
     now = int(time.time())
     return sign(api.home_key(), iat=now - 200, nbf=now - 200, exp=now - 100)
 
 
-def _wrong_audience(api: Api) -> str:
+def _wrong_audience(api: Api) -> Token:
     return sign(api.home_key(), aud="payments")
 
 
-def _not_yet_valid(api: Api) -> str:
+def _not_yet_valid(api: Api) -> Token:
     now = int(time.time())
     return sign(api.home_key(), iat=now, nbf=now + 120, exp=now + 180)
 
 
-def _too_long_lived(api: Api) -> str:
+def _too_long_lived(api: Api) -> Token:
     now = int(time.time())
     return sign(api.home_key(), iat=now, exp=now + 3600)
 
 
-def _subject_mismatch(api: Api) -> str:
+def _subject_mismatch(api: Api) -> Token:
     return sign(api.home_key(), sub="cw-rno2a")
 
 
-def _alg_none(api: Api) -> str:
-    return jwt.encode(claims(), key=None, algorithm="none")  # type: ignore[arg-type]
+def _alg_none(api: Api) -> Token:
+    return sign(None, algorithm="none")
+
+
+def _old_shared_audience(api: Api) -> Token:
+    return sign(api.home_key(), aud="federation")  # what every token carried before issue 16
+
+
+def _another_method(api: Api) -> Token:
+    return sign(api.home_key(), htm="DELETE")
+
+
+def _another_path(api: Api) -> Token:
+    return sign(api.home_key(), htp="/v1/health")
+
+
+def _another_body(api: Api) -> Token:
+    return sign(api.home_key(), bsh=hashlib.sha256(b"{}").hexdigest())
+
+
+def _unbound(api: Api) -> Token:
+    return sign(api.home_key(), htm=None, htp=None, bsh=None)
 
 
 TOKEN_CASES = {
@@ -165,6 +191,11 @@ TOKEN_CASES = {
     "untrusted-member": (_untrusted_member, "is not a trusted cluster"),
     "expired": (_expired, "identity token expired"),
     "wrong-audience": (_wrong_audience, "InvalidAudienceError"),
+    "old-shared-audience": (_old_shared_audience, "not addressed to cluster"),
+    "signed-for-another-method": (_another_method, "signed for another method"),
+    "signed-for-another-path": (_another_path, "signed for another path"),
+    "signed-for-another-body": (_another_body, "signed for another request body"),
+    "not-bound-to-a-request": (_unbound, "MissingRequiredClaimError"),
     "not-yet-valid": (_not_yet_valid, "ImmatureSignatureError"),
     "lifetime-over-5-minutes": (_too_long_lived, "lifetime exceeds"),
     "subject-is-not-issuer": (_subject_mismatch, "subject must equal its issuer"),
@@ -213,6 +244,81 @@ async def test_a_replayed_handoff_token_is_refused_and_runs_nothing_twice(stack:
     read = sign(api.home_key())
     assert (await api.call(url, "GET", "/v1/backends", read)).status_code == 200
     refused(await api.call(url, "GET", "/v1/backends", read), 401, "UNAUTHENTICATED", "replayed")
+
+
+class Recording(httpx.AsyncHTTPTransport):
+    """The wire as an eavesdropper on the home worker's link sees it: every request sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[httpx.Request] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        return await super().handle_async_request(request)
+
+
+async def replay(url: str, captured: httpx.Request, api: Api) -> httpx.Response:
+    """``captured`` sent again, verbatim (method, path and query, token, body), to ``url``."""
+    headers = {k: v for k, v in captured.headers.items() if k.lower() in ("authorization", "content-type")}
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        resp = await http.request(
+            captured.method, captured.url.raw_path.decode(), headers=headers, content=captured.content
+        )
+    api.responses.add(resp.text)
+    return resp
+
+
+async def test_a_token_captured_at_one_peer_is_refused_at_another(stack: Stack, api: Api) -> None:
+    """Issue 16, acceptance 2: a handoff and a read home's client really sent to cw-us-east-02a,
+    replayed verbatim at cw-rno2a (which trusts the same home key), are refused there."""
+    src, dst = "cw-us-east-02a", "cw-rno2a"
+    wire = Recording()
+    job_id = f"security/captured-{uuid.uuid4().hex[:6]}"
+    req = LaunchRequest.model_validate(launch(job_id, backend_id=backend_of(stack, src)))
+    signer = TokenSigner(HOME, api.home_key())
+    async with ControllerClient(
+        stack.config.cluster(src).url, signer=signer, audience=src, transport=wire
+    ) as c:
+        assert (await c.launch(req)).job_id == job_id
+        await c.backends()
+    handoff, read = wire.sent
+    for captured in (handoff, read):
+        refused(
+            await replay(stack.config.cluster(dst).url, captured, api),
+            401,
+            "UNAUTHENTICATED",
+            f"not addressed to cluster {dst}",
+        )
+    assert not await api.knows(stack.config.cluster(dst).url, job_id)
+
+
+async def test_a_token_replayed_after_a_controller_restart_is_refused(stack: Stack, api: Api) -> None:
+    """The used-jti memory survives a crash: a real cw-rno2a controller on its own state, killed
+    (SIGKILL) and started again, refuses the request it accepted before."""
+    root = stack.data_dir / f"security-restart-{uuid.uuid4().hex[:6]}"
+    root.mkdir()
+    cfg = stack.config.model_copy(deep=True)
+    cfg.cluster("cw-rno2a").port = devstack.free_port()
+    config_file = root / "clusters.json"
+    config_file.write_text(cfg.model_dump_json(indent=2))
+    proc = devstack.controller(config_file, cfg, "cw-rno2a", root)
+    url = cfg.cluster("cw-rno2a").url
+    proc.start()
+    try:
+        await asyncio.to_thread(proc.wait_ready, 60)
+        job_id = f"security/restart-{uuid.uuid4().hex[:6]}"
+        token = sign(api.home_key())
+        body = launch(job_id, backend_id=backend_of(stack, "cw-rno2a"))
+        assert (await api.call(url, "POST", "/v1/jobs", token, body)).status_code == 200
+        await asyncio.to_thread(proc.kill)
+        proc.start()
+        await asyncio.to_thread(proc.wait_ready, 60)
+        refused(await api.call(url, "POST", "/v1/jobs", token, body), 401, "UNAUTHENTICATED", "replayed")
+        status = await api.call(url, "GET", f"/v1/jobs/{job_id}", sign(api.home_key()))
+        assert status.json()["attempts"] == 1, status.text
+    finally:
+        await asyncio.to_thread(proc.stop)
 
 
 # ---- admission ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import os
 import httpx
 import pytest
 from security_support import Responses
+from signing import SignerAuth
 from stack import Stack, wait_until
 
 from iris import devstack
@@ -58,8 +59,9 @@ def parse_environ(raw: bytes) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-def home_authorization(stack: Stack) -> str:
-    return TokenSigner.from_config(stack.config, HOME, stack.key_dir).authorization()
+def home_auth(stack: Stack, cluster: str) -> SignerAuth:
+    """Tokens of the home cluster for requests to ``cluster`` (bound to each request)."""
+    return SignerAuth(TokenSigner.from_config(stack.config, HOME, stack.key_dir), cluster)
 
 
 def test_the_home_process_holds_no_peer_credentials(stack: Stack) -> None:
@@ -139,9 +141,7 @@ async def test_the_artifact_check_refuses_a_malformed_body(
     stack: Stack, responses: Responses, cluster: str, body: object
 ) -> None:
     async with httpx.AsyncClient(base_url=stack.config.cluster(cluster).url, timeout=30) as http:
-        resp = await http.post(
-            "/v1/artifacts/check", json=body, headers={"Authorization": home_authorization(stack)}
-        )
+        resp = await http.post("/v1/artifacts/check", json=body, auth=home_auth(stack, cluster))
     responses.add(resp.text)
     assert resp.status_code == 400, resp.text
     assert resp.json()["code"] == "INVALID_ARGUMENT"
