@@ -52,9 +52,15 @@ _SAFE = re.compile(r"[^A-Za-z0-9._@+-]")
 
 
 class Action(StrEnum):
-    SUBMIT = "submit"
-    CANCEL = "cancel"
-    REPLAY = "replay"
+    """What a statement asks for (its ``act`` claim)."""
+
+    SUBMIT = "job.submit"
+    CANCEL = "job.cancel"
+    REPLAY = "job.replay"
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
 class AuthError(Exception):
@@ -254,7 +260,7 @@ class UserKeyVerifier:
         self._users = users
 
     def verify(self, statement: str, expect: Expectation) -> Principal:
-        action = expect.action.value
+        action = expect.action.label
         if not statement:
             raise AuthError(f"unsigned {action}: sign it with your user key (`iris keys user`)")
         if not isinstance(statement, str) or len(statement) > MAX_STATEMENT_CHARS:
@@ -288,17 +294,17 @@ class UserKeyVerifier:
                 )
                 return claims
             except jwt.InvalidAudienceError:
-                raise AuthError(f"{expect.action.value} signed for another federation") from None
+                raise AuthError(f"{expect.action.label} signed for another federation") from None
             except jwt.InvalidSignatureError:
                 continue
             except jwt.PyJWTError:
-                raise AuthError(f"malformed {expect.action.value} signature") from None
-        raise AuthError(f"{expect.action.value} signature does not match the user's registered keys")
+                raise AuthError(f"malformed {expect.action.label} signature") from None
+        raise AuthError(f"{expect.action.label} signature does not match the user's registered keys")
 
     @staticmethod
     def _check_claims(claims: dict[str, Any], expect: Expectation) -> None:
-        action = expect.action.value
-        if claims.get("act") != action:
+        action = expect.action.label
+        if claims.get("act") != expect.action.value:
             raise AuthError(f"signature is for a {str(claims.get('act'))[:16]!r}, not a {action}")
         if claims.get("job") != expect.job_id:
             raise AuthError(f"{action} signature is for another job")
@@ -320,7 +326,7 @@ def authorize(principal: Principal, action: Action, *, owner: str, production: b
     """Roles (docs/DESIGN.md, "User → home"): a user submits as themself; the owner or an admin
     cancels and replays; only an admin uses the ``production`` band. AuthError otherwise."""
     if not ({ADMIN, USER} & set(principal.roles)):
-        raise AuthError(f"{principal.name} has no role that may {action.value} jobs")
+        raise AuthError(f"{principal.name} has no role that may {action.label} jobs")
     if action is Action.SUBMIT:
         if principal.name != owner:
             raise AuthError(f"signed by {principal.name}, but the job is submitted as {owner[:64]}")
@@ -328,7 +334,7 @@ def authorize(principal: Principal, action: Action, *, owner: str, production: b
             raise AuthError(f"the production band is for admins; {principal.name} is not one")
         return
     if principal.name != owner and not principal.admin:
-        raise AuthError(f"{principal.name} may not {action.value} {owner[:64]}'s job (owner or admin only)")
+        raise AuthError(f"{principal.name} may not {action.label} {owner[:64]}'s job (owner or admin only)")
 
 
 def register_user(

@@ -460,7 +460,7 @@ class JobWorkflow:
         try:
             await self._verify(action, statement, request, self._now_ms())
         except ApplicationError as exc:
-            refusal = f"{action.value} refused: {exc.message}"
+            refusal = f"{action.label} refused: {exc.message}"
             self._event(job.status.state, refusal)
             return refusal
         finally:
