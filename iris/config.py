@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from iris.userauth import parse_public_key
+from iris.userkeys import parse_public_key
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
@@ -166,12 +166,12 @@ class ClusterConfig(BaseModel):
     # None: the controller admits unsigned requests (local experiments only: it refuses to start on
     # a non-loopback address without it, and warns on loopback).
     auth: AuthConfig | None = None
+    # Serve /openapi.json, /docs and /redoc (behind the same authentication as the API); off by default.
+    api_docs: bool = False
     # The user (name or uid) a root controller runs this cluster's process-backend jobs as, with
     # that user's primary group and no other (docs/DESIGN.md, "Job → controller"). A controller
     # that is not root cannot switch users and warns at start-up; "root" keeps root, with a warning.
     run_as: str = Field(default="nobody", min_length=1)
-    # Serve /openapi.json, /docs and /redoc (behind the same authentication as the API); off by default.
-    api_docs: bool = False
 
     @property
     def url(self) -> str:

@@ -15,8 +15,6 @@ an admin may use the ``production`` band.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import os
@@ -30,8 +28,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jwt
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
+
+from iris.userkeys import parse_public_key, public_key_text
 
 if TYPE_CHECKING:
     from iris.config import FederationConfig, UserConfig
@@ -45,7 +45,6 @@ CLOCK_LEEWAY_S = 30
 MAX_STATEMENT_CHARS = 4096
 USER_KEY_ENV = "IRIS_USER_KEY"
 USER_KEY_DIR_ENV = "IRIS_USER_KEY_DIR"
-KEY_PREFIX = "ed25519:"
 ADMIN = "admin"
 USER = "user"
 _SAFE = re.compile(r"[^A-Za-z0-9._@+-]")
@@ -120,22 +119,6 @@ def audience(home: str) -> str:
 
 
 # ---- keys ---------------------------------------------------------------------------------------
-
-
-def public_key_text(key: Ed25519PublicKey) -> str:
-    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return KEY_PREFIX + base64.b64encode(raw).decode()
-
-
-def parse_public_key(text: str) -> Ed25519PublicKey:
-    """``ed25519:<base64 of 32 bytes>`` → the key; ValueError naming the expected form."""
-    if not isinstance(text, str) or not text.startswith(KEY_PREFIX):
-        raise ValueError(f"a user public key is '{KEY_PREFIX}<base64>' as `iris keys user` prints it")
-    try:
-        raw = base64.b64decode(text[len(KEY_PREFIX) :], validate=True)
-        return Ed25519PublicKey.from_public_bytes(raw)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{text[:24]!r}… is not an Ed25519 public key (32 bytes, base64)") from None
 
 
 def _config_home() -> Path:

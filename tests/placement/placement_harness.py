@@ -10,6 +10,8 @@ would run them.
 from __future__ import annotations
 
 import asyncio
+import os
+import pwd
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -117,6 +119,8 @@ def federation_config(peer_port: int, down_port: int) -> FederationConfig:
                     "name": PEER,
                     "port": peer_port,
                     "backends": [{"id": "cpu", "attributes": {"device-type": ["cpu"]}, "cpu_slots": 4}],
+                    # Jobs as the test's user: this interpreter may sit where `nobody` cannot run it.
+                    "run_as": pwd.getpwuid(os.geteuid()).pw_name,
                 },
                 {"name": DOWN, "port": down_port, "backends": [{"id": "cpu", "cpu_slots": 2}]},
             ],
