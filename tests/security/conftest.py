@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def keys(stack: Stack) -> Keys:
-    return Keys(stack.key_dir)
+    return Keys(stack.key_dirs)
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,13 @@ RESTRICTED_DOMAIN = "allowed.example"
 
 @dataclass
 class Keys:
-    key_dir: Path
+    """Each cluster's own key directory (iris/keydirs.py): a test plays any cluster, the processes
+    under test hold only their own key."""
+
+    key_dirs: dict[str, Path]
 
     def private(self, config: FederationConfig, cluster: str) -> Ed25519PrivateKey:
-        return load_private_key(config.cluster(cluster), self.key_dir)
+        return load_private_key(config.cluster(cluster), self.key_dirs[cluster])
 
 
 @dataclass
