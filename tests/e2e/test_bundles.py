@@ -29,6 +29,7 @@ from iris.controller.client import ControllerClient
 from iris.controller.errors import InvalidArgument, NotFound, Unauthenticated
 from iris.jobs import JobState, JobStatus, start_search_attributes
 from iris.objectstore import open_store
+from iris.userauth import Action
 
 SCRIPT = """\
 import os
@@ -403,7 +404,9 @@ async def test_a_bundle_lost_from_the_home_store_parks_the_job_until_an_operator
     # The SDK refuses to start a job whose bundle the home store does not hold...
     with pytest.raises(InvalidJob, match="not in the home cluster's store"):
         await stack.iris.submit_spec(spec)
-    # ...so start the workflow as a job whose bundle vanished after submit would look.
+    # ...so start the workflow as a job whose bundle vanished after submit would look (signed by
+    # its user, as the SDK would have).
+    spec = spec.model_copy(update={"signature": stack.iris.sign(Action.SUBMIT, spec.user, spec.job_id, spec)})
     await stack.client.start_workflow(
         JOB_WORKFLOW,
         spec,
