@@ -41,6 +41,7 @@ from iris.client import build_spec  # noqa: E402
 from iris.contract import JOB_WORKFLOW  # noqa: E402
 from iris.jobs import CancelRequest, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
 from iris.policy.models import DeviceRequest  # noqa: E402
+from iris.userauth import Action  # noqa: E402
 
 OUT_DIR = ROOT / "tests" / "determinism" / "histories"
 USER = "recorder@example.com"
@@ -66,6 +67,12 @@ async def _closed(stack: Stack, job_id: str, within: float = 90.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"workflow {job_id} did not close within {within}s")
         await asyncio.sleep(0.2)
+
+
+def _signed(stack: Stack, spec: JobSpec) -> JobSpec:
+    """A raw-started spec signed by its user, as the SDK signs a submission."""
+    signature = stack.iris.sign(Action.SUBMIT, spec.user, spec.job_id, spec)
+    return spec.model_copy(update={"signature": signature})
 
 
 async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str:
@@ -169,6 +176,7 @@ async def rejected(stack: Stack) -> str:
         device=DeviceRequest(type="tpu", variant="tpu-v9", count=4),
         submit_ms=int(time.time() * 1000),
     )
+    spec = _signed(stack, spec)
     await stack.client.start_workflow(
         JOB_WORKFLOW,
         spec,
@@ -268,6 +276,7 @@ async def failure_retried(stack: Stack) -> str:
         max_retries_failure=1,
         submit_ms=int(time.time() * 1000),
     )
+    spec = _signed(stack, spec)
     await stack.client.start_workflow(
         JOB_WORKFLOW,
         spec,
