@@ -41,6 +41,7 @@ from temporalio.service import RPCError
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactInput, ArtifactReport
+from activities.auth import AuthActivities
 from activities.peers import (
     AttemptFound,
     FindInput,
@@ -61,11 +62,14 @@ from iris.jobs import CancelOutcome, CancelRequest, JobState, JobStatus
 from iris.policy.models import Availability, BackendReport, Band, PeerReport, Placement
 from iris.reports import FederationView
 from iris.store import FederationStore, HandleState, JobHandle, PromoteResult
+from iris.userauth import Action
 from workflows.job import JobWorkflow
 
 ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "1000"))
 PARALLEL = 24
 SEED = 20261130
+# Every job is this user's, its submission and cancels signed with its key.
+RACER = "race@example.com"
 PEER, BACKEND = "cw-race", "h100-race"
 METHODS = ("update", "signal", "temporal", "store")
 # Where the cancel aims, and how often.
@@ -258,9 +262,10 @@ class Race:
 
     async def start(self, job_id: str) -> WorkflowHandle[JobWorkflow, JobStatus]:
         self.started.append(job_id)
-        spec = build_spec(
-            ["true"], name=job_id.split("/")[1], user="race@example.com", device_type="h100", gpu_count=8
-        )
+        spec = build_spec(["true"], name=job_id.split("/")[1], user=RACER, device_type="h100", gpu_count=8)
+        # Signed by its user, as the SDK signs a submission (docs/DESIGN.md, "User → home").
+        signature = self.stack.iris.sign(Action.SUBMIT, RACER, spec.job_id, spec)
+        spec = spec.model_copy(update={"signature": signature})
         return await self.stack.client.start_workflow(
             JOB_WORKFLOW,
             spec,
@@ -279,6 +284,12 @@ class Race:
                 return  # the workflow already ended
         self.milestones.reach(job_id, "placed")
 
+    def cancel_request(self, o: Outcome) -> CancelRequest:
+        """The owner's signed cancel, as the CLI sends it."""
+        request = CancelRequest(reason="race")
+        signature = self.stack.iris.sign(Action.CANCEL, RACER, o.job_id, request)
+        return request.model_copy(update={"signature": signature})
+
     async def cancel(self, handle: WorkflowHandle[JobWorkflow, JobStatus], o: Outcome) -> None:
         try:
             async with asyncio.timeout(30):
@@ -291,10 +302,10 @@ class Race:
             if o.method == "update":
                 # As the CLI sends it: again if the server dropped it with a failed workflow task.
                 o.update = await execute_update(
-                    handle, JobWorkflow.cancel_job, CancelRequest(reason="race"), CancelOutcome
+                    handle, JobWorkflow.cancel_job, self.cancel_request(o), CancelOutcome
                 )
             elif o.method == "signal":
-                await handle.signal(JobWorkflow.cancel, CancelRequest(reason="race"))
+                await handle.signal(JobWorkflow.cancel, self.cancel_request(o))
             elif o.method == "temporal":
                 await handle.cancel()
             else:
@@ -373,11 +384,14 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
     store = FederationStore(f"sqlite:///{tmp_path / 'federation.db'}")
     peer = StubPeer(rng, milestones)
     queue = JitteredStore(store, task_queue, rng, milestones)
+    stack.add_user(RACER, ["user"])
+    auth = AuthActivities(stack.config)
     worker = Worker(
         stack.client,
         task_queue=task_queue,
         workflows=[JobWorkflow],
         activities=[
+            auth.verify_request,
             peer.fetch_reports,
             peer.launch_job,
             peer.mirror_job,
