@@ -24,17 +24,15 @@ import uuid
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
+from iris.config import FederationConfig, UserConfig
 from iris.userkeys import parse_public_key, public_key_text
-
-if TYPE_CHECKING:
-    from iris.config import FederationConfig, UserConfig
 
 ALGORITHM = "EdDSA"
 # A statement lives this long by default; the verifier refuses any that claims to live longer
@@ -326,8 +324,6 @@ def register_user(
     """Make sure ``principal`` has a key (created if absent) and is in ``config.users`` (in place)
     with that key: what ``iris dev`` does for its user at start, and the test stack for its users.
     Returns (key path, public key, whether the key was created)."""
-    from iris.config import UserConfig  # iris.config imports this module: imported here
-
     path = key_path or user_key_path(principal)
     public, created = ensure_user_key(path)
     entry = config.users.get(principal)

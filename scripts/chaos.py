@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import pwd
 import random
 import shlex
 import shutil
@@ -73,12 +74,14 @@ from iris import devstack
 from iris.client import AsyncIrisClient, IrisError, JobAlreadyExists
 from iris.config import FederationConfig, load_config
 from iris.controller.client import ControllerClient
-from iris.controller.identity import KEY_DIR_ENV, TokenSigner, ensure_cluster_keys
+from iris.controller.identity import KEY_DIR_ENV, TokenSigner
 from iris.controller.models import ControllerJobState
 from iris.controller.models import JobStatus as PeerJobStatus
 from iris.jobs import AttemptEnd, JobState, JobStatus
+from iris.keydirs import provision_key_dirs
 from iris.policy.models import Reservation
 from iris.store import FederationStore, Fence, JobHandle
+from iris.userauth import USER_KEY_DIR_ENV, register_user
 
 T = TypeVar("T")
 USER = "chaos@example.com"
@@ -176,6 +179,8 @@ def chaos_config(root: Path, options: Options) -> FederationConfig:
     cfg.peer_lost_after_s = options.peer_lost_after_s
     for c in cfg.clusters:
         c.port = devstack.free_port()
+        # Jobs as this run's user: its interpreter may sit where `nobody` cannot run it.
+        c.run_as = pwd.getpwuid(os.geteuid()).pw_name
         if c.object_store is not None:
             port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
             c.object_store.endpoint = f"http://127.0.0.1:{port}"
@@ -201,7 +206,8 @@ class ChaosStack:
 
     @property
     def key_dir(self) -> Path:
-        return self.root / "keys"
+        """The home cluster's key directory (iris/keydirs.py): the worker's and this judge's."""
+        return self.root / "keys" / self.config.home
 
     def start_worker(self) -> None:
         self.worker_starts += 1
@@ -229,7 +235,7 @@ class ChaosStack:
 
     def iris(self) -> AsyncIrisClient:
         assert self.client is not None
-        return AsyncIrisClient(self.client, self.config)
+        return AsyncIrisClient(self.client, self.config, principal=USER)
 
     def direct_client(self, cluster: str, timeout: float = 10.0) -> ControllerClient:
         """The controller itself (past its proxy), signed as the home cluster."""
@@ -241,10 +247,14 @@ class ChaosStack:
 async def start_stack(root: Path, options: Options) -> ChaosStack:
     cfg = chaos_config(root, options)
     config_file = root / "clusters.json"
+    # The run's user signs its submissions and cancels (docs/DESIGN.md, "User → home").
+    os.environ[USER_KEY_DIR_ENV] = str(root / "users")
+    register_user(cfg, USER, ["user"])
     config_file.write_text(cfg.model_dump_json(indent=2))
-    ensure_cluster_keys(cfg, root / "keys")
+    # One key directory per cluster: each process holds its own private key only.
+    key_dirs = provision_key_dirs(cfg, root / "keys")
     child_env = {
-        KEY_DIR_ENV: str(root / "keys"),
+        KEY_DIR_ENV: str(key_dirs.of(cfg.home)),
         "IRIS_STORE_URL": cfg.store_url,
         "IRIS_CONFIG": str(config_file),
     }
@@ -252,7 +262,9 @@ async def start_stack(root: Path, options: Options) -> ChaosStack:
     temporal = devstack.temporal_server(cfg, root, db_file=root / "temporal.db")
     emulators = [devstack.s3_server(cfg, root), devstack.gcs_server(cfg, root)]
     controllers = {
-        c.name: devstack.controller(config_file, cfg, c.name, root, port=internal.get(c.name))
+        c.name: devstack.controller(
+            config_file, cfg, c.name, root, port=internal.get(c.name), key_dir=key_dirs.of(c.name)
+        )
         for c in cfg.clusters
     }
     # The worker holds the home cluster's credentials only.
