@@ -238,8 +238,10 @@ class StackRunner:
         config_file = self.root / "clusters.json"
         # The users the suite submits as, each with a signing key (iris/userauth.py), registered
         # in this config: the worker verifies every submission, cancel and replay against it.
+        # One user key directory per test process (like the cluster keys): this process signs for
+        # every stack it runs, so each registers the same keys.
         users = self.key_dir.with_name(self.key_dir.name + "-users")
-        os.environ[USER_KEY_DIR_ENV] = str(users)
+        os.environ.setdefault(USER_KEY_DIR_ENV, str(users))
         for user, roles in TEST_USERS.items():
             register_user(cfg, user, roles)
         config_file.write_text(cfg.model_dump_json(indent=2))

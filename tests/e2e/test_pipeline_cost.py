@@ -49,8 +49,9 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     )
     # The capacity read keeps the first workflow task free of local activities (an Update accepted
     # there); the promotion CAS stays on the queue so an operator's reset finds its answer.
-    # Each attempt is followed by follow_job (docs/DESIGN.md, "Attempts").
-    expected = {"fetch_reports": 1, "promote_job": 1, "launch_job": 1, "follow_job": 1}
+    # Each attempt is followed by follow_job (docs/DESIGN.md, "Attempts"). The submitter's
+    # signature is checked first, on the queue like the capacity read (docs/DESIGN.md, "User → home").
+    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1, "follow_job": 1}
     assert scheduled == Counter(expected), scheduled
     markers = [
         e.marker_recorded_event_attributes

@@ -25,7 +25,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from iris import devstack
-from iris.client import AsyncIrisClient
+from iris.client import AsyncIrisClient, current_user
 from iris.config import (
     BackendConfig,
     ClusterConfig,
@@ -37,6 +37,7 @@ from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.executors.ray_jobs import submission_id
 from iris.jobs import JobState
 from iris.store import FederationStore
+from iris.userauth import USER_KEY_DIR_ENV, register_user
 from worker.main import build_worker, ensure_manager
 
 
@@ -101,6 +102,10 @@ async def ray_federation(
     worker_task: asyncio.Task[None] | None = None
     try:
         cfg = federation_config(ray_head, env.client.service_client.config.target_host)
+        # The submitter signs with its key, registered here (docs/DESIGN.md, "User → home"); the
+        # session's user key directory if a stack set one, never the real ~/.config.
+        os.environ.setdefault(USER_KEY_DIR_ENV, str(root / "users"))
+        register_user(cfg, current_user(), ["admin"])
         config_file = root / "clusters.json"
         config_file.write_text(cfg.model_dump_json(indent=2))
         # The worker here relays logs to the home's S3: the home's credentials only.

@@ -206,9 +206,9 @@ async def test_a_bare_or_foreign_cancel_signal_is_recorded_and_ignored(auth_fed:
         handle, lambda s: len([m for m in messages(s) if "cancel refused" in m]) == 3, "refused 3"
     )
     refused = [m for m in messages(st) if m.startswith("cancel refused")]
-    assert "unsigned cancel" in refused[0]
-    assert "mallory may not cancel alice's job" in refused[1]
-    assert "for another job" in refused[2]
+    # Each is checked by its own activity: they may complete in any order.
+    for why in ("unsigned cancel", "mallory may not cancel alice's job", "for another job"):
+        assert sum(why in m for m in refused) == 1, (why, refused)
     assert st.state is JobState.QUEUED_HANDOFF and not st.cancel_requested
     assert fed.fake.cancels == []
 
