@@ -249,7 +249,7 @@ async def start_stack(root: Path, options: Options) -> ChaosStack:
     config_file = root / "clusters.json"
     # The run's user signs its submissions and cancels (docs/DESIGN.md, "User → home").
     os.environ[USER_KEY_DIR_ENV] = str(root / "users")
-    register_user(cfg, USER, ["user"])
+    register_user(cfg, USER, ["admin"])  # its long jobs run in the production band: admins only
     config_file.write_text(cfg.model_dump_json(indent=2))
     # One key directory per cluster: each process holds its own private key only.
     key_dirs = provision_key_dirs(cfg, root / "keys")
