@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel
 
 from iris.config import FederationConfig, UserConfig
-from iris.userkeys import parse_public_key, public_key_text
+from iris.userkeys import parse_public_key, private_key_from_pem, public_key_text
 
 ALGORITHM = "EdDSA"
 # A statement lives this long by default; the verifier refuses any that claims to live longer
@@ -161,12 +161,9 @@ def load_user_key(path: Path) -> Ed25519PrivateKey:
         raise AuthError(f"no user key at {path}: create one with `iris keys user`") from None
     except OSError as exc:
         raise AuthError(f"cannot read the user key {path}: {exc.strerror}") from None
-    try:
-        key = serialization.load_pem_private_key(pem, password=None)
-    except (ValueError, TypeError):
-        raise AuthError(f"the user key {path} is not a PEM Ed25519 private key") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise AuthError(f"the user key {path} is not an Ed25519 key")
+    key = private_key_from_pem(pem)
+    if key is None:
+        raise AuthError(f"the user key {path} is not a PEM Ed25519 private key")
     return key
 
 

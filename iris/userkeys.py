@@ -1,6 +1,7 @@
-"""The text form of a user's Ed25519 public key, as `iris keys user` prints it and the config's
-``[users]`` table holds it (docs/DESIGN.md, "User → home"). No iris import: the config validates
-keys with it, and ``iris.userauth`` (which reads the config) builds on it."""
+"""Ed25519 key forms shared by user keys and cluster keys: the text form of a user's public key,
+as `iris keys user` prints it and the config's ``[users]`` table holds it (docs/DESIGN.md, "User →
+home"), and a PEM private key read. No iris import: the config validates keys with it, and
+``iris.userauth`` and ``iris.controller.identity`` build on it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import base64
 import binascii
 
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 KEY_PREFIX = "ed25519:"
 
@@ -27,3 +28,13 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
         return Ed25519PublicKey.from_public_bytes(raw)
     except (binascii.Error, ValueError):
         raise ValueError(f"{text[:24]!r}… is not an Ed25519 public key (32 bytes, base64)") from None
+
+
+def private_key_from_pem(pem: bytes) -> Ed25519PrivateKey | None:
+    """The Ed25519 private key ``pem`` holds; None if it holds none (the caller says so in its own
+    words, never quoting the material)."""
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError):
+        return None
+    return key if isinstance(key, Ed25519PrivateKey) else None

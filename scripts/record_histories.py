@@ -69,6 +69,17 @@ async def _closed(stack: Stack, job_id: str, within: float = 90.0) -> None:
         await asyncio.sleep(0.2)
 
 
+async def _start_raw(stack: Stack, spec: JobSpec) -> None:
+    """Start the job workflow straight on Temporal, past the SDK's prechecks."""
+    await stack.client.start_workflow(
+        JOB_WORKFLOW,
+        spec,
+        id=spec.job_id,
+        task_queue=stack.config.temporal.task_queue,
+        search_attributes=start_search_attributes(spec),
+    )
+
+
 def _signed(stack: Stack, spec: JobSpec) -> JobSpec:
     """A raw-started spec signed by its user, as the SDK signs a submission."""
     signature = stack.iris.sign(Action.SUBMIT, spec.user, spec.job_id, spec)
@@ -145,13 +156,7 @@ async def unsigned_cancel_ignored(stack: Stack) -> str:
 async def unsigned_submission_rejected(stack: Stack) -> str:
     """AUTH_PATCH: a workflow started without a signed statement ends REJECTED before classifying."""
     spec = build_spec(["true"], name="hist-unsigned", user=USER)
-    await stack.client.start_workflow(
-        JOB_WORKFLOW,
-        spec,
-        id=spec.job_id,
-        task_queue=stack.config.temporal.task_queue,
-        search_attributes=start_search_attributes(spec),
-    )
+    await _start_raw(stack, spec)
     await _state(stack, spec.job_id, JobState.REJECTED)
     return spec.job_id
 
@@ -177,13 +182,7 @@ async def rejected(stack: Stack) -> str:
         submit_ms=int(time.time() * 1000),
     )
     spec = _signed(stack, spec)
-    await stack.client.start_workflow(
-        JOB_WORKFLOW,
-        spec,
-        id=spec.job_id,
-        task_queue=stack.config.temporal.task_queue,
-        search_attributes=start_search_attributes(spec),
-    )
+    await _start_raw(stack, spec)
     await _state(stack, spec.job_id, JobState.REJECTED)
     return spec.job_id
 
@@ -277,13 +276,7 @@ async def failure_retried(stack: Stack) -> str:
         submit_ms=int(time.time() * 1000),
     )
     spec = _signed(stack, spec)
-    await stack.client.start_workflow(
-        JOB_WORKFLOW,
-        spec,
-        id=spec.job_id,
-        task_queue=stack.config.temporal.task_queue,
-        search_attributes=start_search_attributes(spec),
-    )
+    await _start_raw(stack, spec)
     status = await _state(stack, spec.job_id, JobState.SUCCEEDED, within=120)
     assert [a.end for a in status.attempts] == ["FAILED", "SUCCEEDED"], status.attempts
     return spec.job_id

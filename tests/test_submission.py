@@ -66,17 +66,21 @@ def test_the_sdk_refuses_another_cluster_before_connecting(name: str) -> None:
         IrisClient(cluster=name)
 
 
-@pytest.mark.parametrize("args", [["rpc", "controller", "list-peers"], ["job", "list"], ["peers"]])
-def test_the_cli_refuses_an_unknown_cluster_in_one_line_before_anything_runs(args: list[str]) -> None:
-    # TEMPORAL_ADDRESS points nowhere: a command that got past the check would fail differently.
-    env = {"PATH": str(VENV_BIN), "TEMPORAL_ADDRESS": "127.0.0.1:9"}
-    res = subprocess.run(
-        [str(VENV_BIN / "iris"), "--cluster=nowhere", *args],
+def _iris_offline(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """The CLI with TEMPORAL_ADDRESS pointing nowhere: a command that got past its checks would
+    fail differently."""
+    return subprocess.run(
+        [str(VENV_BIN / "iris"), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env={"PATH": str(VENV_BIN), "TEMPORAL_ADDRESS": "127.0.0.1:9", **env},
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("args", [["rpc", "controller", "list-peers"], ["job", "list"], ["peers"]])
+def test_the_cli_refuses_an_unknown_cluster_in_one_line_before_anything_runs(args: list[str]) -> None:
+    res = _iris_offline(["--cluster=nowhere", *args])
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""
     assert res.stderr.strip().splitlines() == [
@@ -102,14 +106,9 @@ def test_the_sdk_refuses_a_job_id_that_is_an_internal_workflow_id(user: str, nam
 
 
 def test_the_cli_refuses_the_placement_managers_id_in_one_line_before_anything_runs() -> None:
-    # TEMPORAL_ADDRESS points nowhere: a submission that got past the check would fail differently.
-    env = {"PATH": str(VENV_BIN), "TEMPORAL_ADDRESS": "127.0.0.1:9", "IRIS_USER": "iris-placement-manager"}
-    res = subprocess.run(
-        [str(VENV_BIN / "iris"), "job", "run", "--no-workdir", "--job-name", "iris-federation", "--", "true"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
+    res = _iris_offline(
+        ["job", "run", "--no-workdir", "--job-name", "iris-federation", "--", "true"],
+        IRIS_USER="iris-placement-manager",
     )
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""

@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from iris.config import AuthConfig, ClusterConfig, ConfigError, FederationConfig
 from iris.controller.errors import Unauthenticated
+from iris.userkeys import private_key_from_pem
 
 ALGORITHM = "EdDSA"
 MAX_TOKEN_LIFETIME_S = 300
@@ -146,13 +147,10 @@ def _read_source(kind: str, cluster: str, file: str, env: str, key_dir: Path) ->
 def load_private_key(cluster: ClusterConfig, key_dir: Path) -> Ed25519PrivateKey:
     auth = _auth_of(cluster)
     pem = _read_source("private", cluster.name, auth.private_key_file, auth.private_key_env, key_dir)
-    try:
-        key = serialization.load_pem_private_key(pem, password=None)
-    except (ValueError, TypeError):
+    key = private_key_from_pem(pem)
+    if key is None:
         # The message must not quote the material.
-        raise ConfigError(f"cluster {cluster.name}: the private key is not a PEM Ed25519 key") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError(f"cluster {cluster.name}: the private key is not an Ed25519 key")
+        raise ConfigError(f"cluster {cluster.name}: the private key is not a PEM Ed25519 key")
     return key
 
 

@@ -26,7 +26,7 @@ from temporalio.exceptions import ApplicationError
 
 from iris import contract
 from iris.controller.models import TIMED_OUT, ControllerJobState
-from iris.jobs import AttemptEnd, CancelRequest, JobState, JobStatus, ReplayRequest, attempt_nonce
+from iris.jobs import AttemptEnd, CancelRequest, JobSpec, JobState, JobStatus, ReplayRequest, attempt_nonce
 from iris.store.models import HandleState
 from workflows.job import CANCELLED_WHILE_PARKED, JobWorkflow
 
@@ -68,6 +68,15 @@ async def queued_again(
         skip_s=skip_s,
         timeout=20,
     )
+
+
+async def running_on_peer(fed: Federation, spec: JobSpec) -> WorkflowHandle[Any, JobStatus]:
+    """The job placed on cw-a and running there, its mirror waiting for a change."""
+    fed.fake.mirror = []
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await wait_for_state(handle, JobState.RUNNING)
+    return handle
 
 
 # ---- a launch whose answer was lost ---------------------------------------------------------------
@@ -194,11 +203,8 @@ async def test_a_cluster_silent_past_peer_lost_after_loses_the_attempt_which_run
     fed: Federation,
 ) -> None:
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec("peer-lost", fed.now_ms)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.silent.add(PEER)  # lost for good
 
     st = await queued_again(fed, handle, skip_s=30.0)
@@ -227,11 +233,8 @@ async def test_a_job_out_of_preemption_retries_fails_with_a_reason_naming_the_ca
     fed: Federation,
 ) -> None:
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec("no-retries", fed.now_ms, max_retries_preemption=0)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.silent.add(PEER)
     st = await fed.skip_to_end(handle)
 
@@ -325,11 +328,8 @@ async def test_a_cancel_while_its_cluster_is_silent_is_not_reported_before_the_c
     fed: Federation,
 ) -> None:
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec("cancel-silent", fed.now_ms)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.silent.add(PEER)
     await handle.signal(JobWorkflow.cancel, CancelRequest(reason="stop"))
     await fed.env.sleep(60)
@@ -351,11 +351,8 @@ async def lost_then_queued_again(
     """A job pinned to cw-a runs there; cw-a goes silent past peer_lost_after, so attempt 1 is
     lost (fenced) and attempt 2 waits in the queue for cw-a."""
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec(name, fed.now_ms, target_cluster=PEER, **kw)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.silent.add(PEER)
     await queued_again(fed, handle, skip_s=30.0)
     return spec, handle
@@ -445,11 +442,8 @@ async def test_a_temporal_cancel_while_the_cluster_is_lost_fences_the_attempt_an
     fed: Federation,
 ) -> None:
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec("cancel-lost-cluster", fed.now_ms)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.silent.add(PEER)
     await handle.cancel()
     st = await wait_for(handle, lambda s: s.terminal, "ended", env=fed.env, skip_s=30.0, timeout=20)
@@ -465,11 +459,8 @@ async def test_a_cancelled_job_whose_attempt_is_lost_meanwhile_ends_killed_not_f
     """The terminate is on its way when the cluster reports the task lost (WORKER_FAILED, e.g. its
     controller restarted): the user cancelled the job, and it ends KILLED saying both."""
     fake = fed.fake
-    fake.mirror = []
     spec = gpu_spec("cancel-then-lost", fed.now_ms)
-    handle = await fed.queued(spec)
-    await fed.place(handle)
-    await wait_for_state(handle, JobState.RUNNING)
+    handle = await running_on_peer(fed, spec)
     fake.hold(contract.TERMINATE_JOB)
     await handle.signal(JobWorkflow.cancel, CancelRequest(reason="stop"))
     await fake.reached(contract.TERMINATE_JOB)
