@@ -140,7 +140,9 @@ EARLIER_ATTEMPT_PATCH = "earlier-attempt-v1"
 # not verify ends REJECTED), verify each cancel and replay (one that does not is recorded and
 # ignored), and hand off under the verified principal (docs/DESIGN.md, "User → home").
 AUTH_PATCH = "authenticated-submitters-v1"
-_AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
+# Until it answers: the answer is the verdict (a refusal is final, never retried), and an outage of
+# the check must not refuse a valid job.
+_AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
 _EVENTS_HEAD = 20

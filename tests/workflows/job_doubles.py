@@ -253,6 +253,8 @@ class FakeFederation:
     # (tests/workflows/test_job_auth.py gives it a users table).
     verifications: list[VerifyInput] = field(default_factory=list)
     auth: AuthActivities | None = None
+    # verify_request: how many of the next calls fail as an outage (retryable) before it answers.
+    verify_outages: int = 0
 
     _holds: dict[str, asyncio.Event] = field(default_factory=dict)
     _reached: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -347,6 +349,9 @@ class FakeFederation:
     async def verify_request(self, inp: VerifyInput) -> Principal:
         await self._enter(contract.VERIFY_REQUEST)
         self.verifications.append(inp)
+        if self.verify_outages > 0:
+            self.verify_outages -= 1
+            raise ApplicationError("the worker could not read its user table")  # retryable
         if self.auth is not None:
             return await self.auth.verify_request(inp)
         return Principal(name=inp.owner, roles=("user",))

@@ -283,3 +283,16 @@ async def test_a_cpu_job_signed_by_its_owner_runs_at_home(auth_fed: Federation) 
     handle = await submit(fed, cpu_spec("home", fed.now_ms))
     st = await wait_for(handle, lambda s: s.state in RAN, "ran")
     assert st.cluster == HOME and [r.request.user for r in fed.fake.launch_requests] == [ALICE]
+
+
+async def test_an_outage_of_the_check_delays_a_valid_job_and_never_refuses_it(auth_fed: Federation) -> None:
+    """The check fails as an outage more often than a small retry budget would allow (a worker
+    restarting, say): the valid job waits for the verdict, then goes on."""
+    fed = auth_fed
+    fed.fake.verify_outages = 8
+    handle = await submit(fed, gpu_spec("check-outage", fed.now_ms))
+    st = await wait_for(
+        handle, lambda s: s.state is JobState.QUEUED_HANDOFF, "queued", env=fed.env, skip_s=10.0, timeout=20
+    )
+    assert "submitted by alice (signature verified)" in messages(st)
+    assert len(fed.fake.verifications) == 9
