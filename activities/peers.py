@@ -12,15 +12,16 @@ from enum import StrEnum
 
 from pydantic import BaseModel
 from temporalio import activity
+from temporalio.common import MetricMeter
 from temporalio.exceptions import ApplicationError
 
-from iris import contract
+from iris import contract, metrics
 from iris.bundle import BundleError, BundleRef, fetch_from_home
 from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
+from iris.controller.models import ErrorCode, LaunchRequest
 from iris.controller.models import JobStatus as ControllerJobStatus
-from iris.controller.models import LaunchRequest
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, StoreUnavailable, open_store
 from iris.reports import FederationView, gather_reports
@@ -182,17 +183,27 @@ class PeerActivities:
         since ``stage_bundle``) gets it again, and the launch is repeated once.
         """
         bundle = inp.request.bundle
+        outcome: str | None = None  # None: cancelled, no answer to count
         try:
             async with self._client(inp.cluster) as client:
                 try:
-                    return await client.launch(inp.request)
+                    status = await client.launch(inp.request)
                 except NotFound:
                     if bundle is None:
                         raise
                     await self._stage(inp.cluster, bundle)
-                    return await client.launch(inp.request)
+                    status = await client.launch(inp.request)
+            outcome = "accepted"
+            return status
         except ControllerError as exc:
+            outcome = handoff_outcome(exc)
             raise _handoff_error(inp.cluster, "the job", exc) from None
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            if outcome is not None:
+                count_handoff(activity.metric_meter(), inp.cluster, outcome)
 
     @activity.defn(name=contract.STAGE_BUNDLE)
     async def stage_bundle(self, inp: StageInput) -> StageResult:
@@ -386,6 +397,22 @@ class PeerActivities:
                         return status
                     activity.heartbeat(f"{status.state.value}: terminating")
                 await asyncio.sleep(inp.resend_interval_s)
+
+
+def handoff_outcome(exc: ControllerError) -> str:
+    """The ``outcome`` label of a launch that raised ``exc`` (iris/metrics.py, HANDOFF_OUTCOMES):
+    an outage is ``unreachable``, a final refusal ``refused``, a token the cluster did not accept
+    (retried, but no outage) ``error``."""
+    if exc.code is ErrorCode.UNAVAILABLE:
+        return "unreachable"
+    return "error" if exc.retryable else "refused"
+
+
+def count_handoff(meter: MetricMeter, peer: str, outcome: str) -> None:
+    """One launch request's final answer, in ``iris_handoffs`` (docs/DESIGN.md, "Metrics")."""
+    meter.create_counter(metrics.HANDOFFS, "Launch requests sent to a cluster, by outcome").add(
+        1, {"peer": peer, "outcome": outcome}
+    )
 
 
 def _handoff_error(cluster: str, what: str, exc: ControllerError) -> Exception:

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import MetricMeter
 from temporalio.service import RPCError, RPCStatusCode
 
-from iris import contract
+from iris import contract, metrics
 from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
+from iris.jobs import WaitReason
 from iris.policy import plan_request
-from iris.policy.models import Placement, PlanRequest
+from iris.policy.models import DeviceRequest, JobShape, Placement, PlanRequest, WaitingGroup
 from iris.reports import FederationView, gather_reports
 from iris.store.models import Fence
 
@@ -61,6 +63,111 @@ async def heartbeating(every_s: float = HEARTBEAT_EVERY_S) -> AsyncIterator[None
 
 if TYPE_CHECKING:
     from iris.store import FederationStore
+
+
+# A worker whose ticks have stopped (another worker runs them, or none runs) zeroes its tick gauges
+# after this many tick intervals, and never sooner than STALE_GAUGES_MIN_S.
+STALE_GAUGES_TICKS = 10
+STALE_GAUGES_MIN_S = 30.0
+
+Labels = tuple[tuple[str, str], ...]
+# The tick's gauges and their help texts (one text per name: the exporter keys on both).
+_GAUGES = {
+    metrics.QUEUED_JOBS: "Jobs in the federation queue, by why they wait",
+    metrics.PEER_REACHABLE: "1 if the peer answered the last tick's poll",
+    metrics.PEER_FREE_DEVICES: "Free devices in the peer's last report",
+}
+
+
+def device_variant(device: DeviceRequest) -> str:
+    """The ``device_variant`` label of a queued job, as its IrisDeviceVariant search attribute
+    (iris/jobs.py, start_search_attributes)."""
+    return device.variant if device.count else metrics.CPU_VARIANT
+
+
+class TickMetrics:
+    """What the tick exports through the worker's Prometheus endpoint (docs/DESIGN.md, "Metrics"):
+    the queue by band, device variant and reason, each peer's reachability and free devices, and
+    the tick's duration.
+
+    A gauge series the last tick did not see (the queue emptied of that reason, a peer's backend
+    went away or the peer stopped answering) is set to 0 rather than left at its last value; so is
+    every series when this worker has not ticked for ``stale_after_s`` (another worker's ticks, or
+    none, would otherwise leave its last view standing: the dashboard takes the max over workers).
+    """
+
+    def __init__(self, stale_after_s: float) -> None:
+        self._stale_after_s = stale_after_s
+        # Gauge name -> the label sets this worker last set non-zero.
+        self._shown: dict[str, set[Labels]] = {}
+        self._meter: MetricMeter | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def record(
+        self,
+        meter: MetricMeter,
+        *,
+        queued: list[JobShape],
+        waiting: list[WaitingGroup],
+        view: FederationView,
+        seconds: float,
+    ) -> None:
+        """Export one tick: ``queued`` the shapes it planned, ``waiting`` why those it left queued
+        wait (a job it placed or had already offered is on its way out of the queue: not counted)."""
+        shapes = {shape.job_id: shape for shape in queued}
+        counts: dict[Labels, int] = {}
+        for group in waiting:
+            for job_id in group.job_ids:
+                shape = shapes.get(job_id)
+                if shape is None:
+                    continue
+                key = (
+                    ("band", shape.band.label),
+                    ("device_variant", device_variant(shape.device)),
+                    ("reason", group.code.value),
+                )
+                counts[key] = counts.get(key, 0) + 1
+        reachable: dict[Labels, int] = {}
+        free: dict[Labels, int] = {}
+        for report in view.reports:
+            reachable[(("peer", report.peer_id),)] = int(report.reachable)
+            if not report.reachable:
+                continue
+            for backend in report.backends:
+                amounts = backend.availability.amounts if backend.availability is not None else {}
+                where = (("peer", report.peer_id), ("backend", backend.backend_id))
+                for token, amount in amounts.items():
+                    free[(*where, ("device", token))] = amount
+        self._meter = meter
+        self._set(meter, metrics.QUEUED_JOBS, counts)
+        self._set(meter, metrics.PEER_REACHABLE, reachable)
+        self._set(meter, metrics.PEER_FREE_DEVICES, free)
+        meter.create_histogram_float(metrics.PLACEMENT_TICK, "One placement tick, whole", "s").record(seconds)
+        self._rearm()
+
+    def _set(self, meter: MetricMeter, name: str, values: dict[Labels, int]) -> None:
+        gauge = meter.create_gauge(name, _GAUGES[name])
+        for labels in self._shown.get(name, set()) - values.keys():
+            gauge.set(0, dict(labels))
+        for labels, value in values.items():
+            gauge.set(value, dict(labels))
+        self._shown[name] = {labels for labels, value in values.items() if value}
+
+    def _rearm(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(self._stale_after_s, self.expire)
+
+    def expire(self) -> None:
+        """Set every gauge series this worker shows to 0 (its view is stale)."""
+        self._expiry = None
+        if self._meter is None:
+            return
+        for name, shown in self._shown.items():
+            gauge = self._meter.create_gauge(name, _GAUGES[name])
+            for labels in shown:
+                gauge.set(0, dict(labels))
+        self._shown = {}
 
 
 class TickInput(BaseModel):
@@ -116,6 +223,7 @@ class PlacementActivities:
         # Closed runs already dealt with, (workflow id, run id) -> close time: the overlap lists them
         # again, and they are skipped until they fall out of the window.
         self._reconciled_runs: dict[tuple[str, str], float] = {}
+        self.metrics = TickMetrics(max(STALE_GAUGES_MIN_S, STALE_GAUGES_TICKS * config.tick_interval_s))
 
     def _outstanding(self, queued: list[str]) -> dict[str, Placement]:
         """Offers still awaiting their job's answer; answered (no longer queued) or lapsed ones go."""
@@ -243,11 +351,12 @@ class PlacementActivities:
         reservations = await asyncio.to_thread(store.reservations)
         offered = self._outstanding([h.job_id for h in queued])
         held = [r for p in offered.values() if (r := p.reservation()) is not None]
+        planned = [h.shape for h in queued if h.job_id not in offered]
         t0 = time.perf_counter()
         result = plan_request(
             PlanRequest(
                 home=view.home,
-                jobs=[h.shape for h in queued if h.job_id not in offered],
+                jobs=planned,
                 reports=reports,
                 reservations=[*reservations, *held],
                 now_ms=now_ms,
@@ -260,15 +369,21 @@ class PlacementActivities:
         for p in result.placements:
             self._offers[p.job_id] = (offered_at, p)
         reasons = {job_id: group.summary for group in result.waiting for job_id in group.job_ids}
-        changed = await asyncio.to_thread(store.update_reasons, reasons)
+        codes = {job_id: group.code for group in result.waiting for job_id in group.job_ids}
+        changed = await asyncio.to_thread(store.update_reasons, reasons, codes)
         sends: list[tuple[str, str, object]] = [
             (j, contract.EXPIRE, None) for j in [*expired, *result.expired]
         ]
         sends += [(p.job_id, contract.PLACE, p) for p in result.placements]
-        sends += [(j, contract.EXPLAIN, reasons[j]) for j in changed]
+        # The reason with its code (docs/DESIGN.md, "Reason codes"), signalled when either changed.
+        sends += [(j, contract.EXPLAIN_REASON, WaitReason(reason=reasons[j], code=codes[j])) for j in changed]
         gone = await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
         abandoned = sum(gone) + await self._reconcile()
         fenced = await self._fence(view)
+        total_s = time.perf_counter() - started
+        self.metrics.record(
+            activity.metric_meter(), queued=planned, waiting=result.waiting, view=view, seconds=total_s
+        )
         return TickOutcome(
             abandoned=abandoned,
             fenced=fenced,
@@ -282,5 +397,5 @@ class PlacementActivities:
             reachable=[r.peer_id for r in view.reports if r.reachable],
             unreachable=[r.peer_id for r in view.reports if not r.reachable],
             plan_ms=plan_ms,
-            total_ms=(time.perf_counter() - started) * 1000,
+            total_ms=total_s * 1000,
         )

@@ -63,7 +63,7 @@ from benchmarks.harness import (
     uptime_line,
     write_json,
 )
-from benchmarks.source import source_label
+from benchmarks.source import add_source_argument, source_label
 from iris.bundle import (
     MAX_WORKSPACE_BYTES,
     MIB,
@@ -892,11 +892,7 @@ def main() -> None:
     p.add_argument("--job-timeout", type=float, default=60, help="bound on one job, seconds")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the temp directory (stack and workspaces)")
-    p.add_argument(
-        "--source",
-        default="HEAD",
-        help="git revision whose code is measured (a frozen copy), or 'worktree' (default: HEAD)",
-    )
+    add_source_argument(p)
     args = p.parse_args()
     run_main(lambda: run(args))
 

@@ -66,7 +66,7 @@ from benchmarks.harness import (
     wait_until,
     write_json,
 )
-from benchmarks.source import source_label
+from benchmarks.source import add_source_argument, source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
 from iris.contract import SA_SUBMITTER, manager_workflow_id
@@ -812,11 +812,7 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
-    p.add_argument(
-        "--source",
-        default="HEAD",
-        help="git revision whose code is measured (a frozen copy), or 'worktree' (default: HEAD)",
-    )
+    add_source_argument(p)
     args = p.parse_args()
     run_main(lambda: run(args))
 

@@ -15,6 +15,7 @@ work tree cannot stop a benchmark of ``HEAD``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -34,6 +35,15 @@ def _git(*args: str) -> bytes:
     return subprocess.run(
         ["git", *args], cwd=PROJECT_ROOT, capture_output=True, check=True, timeout=60
     ).stdout
+
+
+def add_source_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--source`` option every benchmark that runs on a frozen copy takes."""
+    parser.add_argument(
+        "--source",
+        default="HEAD",
+        help="git revision whose code is measured (a frozen copy), or 'worktree' (default: HEAD)",
+    )
 
 
 def requested_revision(argv: Sequence[str]) -> str:

@@ -18,6 +18,7 @@ from cli.job import job_app
 from cli.keys import keys_app
 from cli.ops import ops_app
 from cli.peers import peers_command, rpc_app
+from iris import tracing
 from iris.config import DEFAULT_DATA_DIR
 
 app = typer.Typer(
@@ -67,11 +68,29 @@ def worker_command(
     data_dir: Annotated[
         Path, typer.Option("--data-dir", help="Where the default SQLite federation store lives.")
     ] = DEFAULT_DATA_DIR,
+    metrics_address: Annotated[
+        str | None,
+        typer.Option(
+            "--metrics-address",
+            envvar="IRIS_TEMPORAL_METRICS",
+            metavar="HOST:PORT",
+            help="Serve Prometheus metrics at http://HOST:PORT/metrics: the Temporal SDK's own "
+            "(temporal_*) and Iris's (iris_*). Off by default. Bind 127.0.0.1 unless the scraper "
+            "is elsewhere (the endpoint has no authentication); e.g. 0.0.0.0:9464 in a container.",
+        ),
+    ] = None,
 ) -> None:
     """Run a Temporal worker for the federation (workflows and activities) until interrupted."""
+    from iris.config import ConfigError
+    from iris.temporal import metrics_runtime
     from worker.main import run_worker
 
-    common.run(run_worker(common.config(), data_dir))
+    cfg = common.config()
+    try:
+        metrics_runtime(metrics_address)  # a bad or busy address is refused before anything starts
+    except ConfigError as exc:
+        common.fail(str(exc), common.EXIT_INVALID)
+    common.run(run_worker(cfg, data_dir, metrics_address=metrics_address))
 
 
 def main() -> None:
@@ -91,6 +110,8 @@ def main() -> None:
         code = exc.exit_code
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    # Spans still pending (tracing on) are sent first: os._exit skips the exporter's atexit hook.
+    tracing.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the Temporal SDK's runtime can crash at exit (sdk-python #300).

@@ -16,7 +16,15 @@ import typer
 from cli import common
 from iris import devstack
 from iris.client import current_user
-from iris.config import CONFIG_ENV, DEFAULT_DATA_DIR, PROJECT_ROOT, FederationConfig, config_path, store_url
+from iris.config import (
+    CONFIG_ENV,
+    DEFAULT_DATA_DIR,
+    PROJECT_ROOT,
+    ConfigError,
+    FederationConfig,
+    config_path,
+    store_url,
+)
 from iris.controller.identity import KEY_DIR_ENV
 from iris.keydirs import provision_key_dirs
 from iris.userauth import register_user
@@ -37,7 +45,8 @@ def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
     return ports
 
 
-async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
+async def _serve(cfg: FederationConfig, data_dir: Path, metrics: list[devstack.MetricsTarget]) -> None:
+    from iris import tracing
     from iris.store import FederationStore
     from iris.temporal import connect
     from worker.main import build_worker, ensure_manager
@@ -47,7 +56,9 @@ async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
     _STOP.wake = functools.partial(loop.call_soon_threadsafe, stop.set)
     if _STOP.requested:
         return
-    client = await connect(cfg)
+    # This process hosts the worker, and serves its metrics.
+    worker = next(t.address for t in metrics if t.job == devstack.WORKER_JOB)
+    client = await connect(cfg, metrics=worker, service=tracing.WORKER_SERVICE)
     url = store_url(cfg, data_dir)
     store = FederationStore(url)
     try:
@@ -56,6 +67,12 @@ async def _serve(cfg: FederationConfig, data_dir: Path) -> None:
             typer.echo(f"{'federation store':<28} {url}")
             tick = f"placement tick every {cfg.tick_interval_s}s"
             typer.echo(f"{'worker':<28} task queue {cfg.temporal.task_queue}, {tick}")
+            # Every metrics endpoint, and a Prometheus config scraping them (docs/DESIGN.md, "Metrics").
+            for i, target in enumerate(metrics):
+                typer.echo(f"{'metrics (Prometheus)' if i == 0 else '':<28} {target.url:<32} {target.name}")
+            scrape = data_dir / "prometheus.yml"
+            scrape.write_text(devstack.prometheus_config(metrics))
+            typer.echo(f"{'prometheus config':<28} {scrape} (scrapes every endpoint above)")
             typer.echo("\nReady. Try:  uv run iris job run -- echo hello      (Ctrl-C stops everything)")
             await stop.wait()
             typer.echo("\nstopping…")
@@ -104,8 +121,29 @@ def dev_command(
             "GPU peers on Ray) on a local Ray head started and stopped with the stack.",
         ),
     ] = False,
+    worker_metrics: Annotated[
+        str,
+        typer.Option(
+            "--worker-metrics",
+            metavar="HOST:PORT",
+            help="Where the worker serves its Prometheus metrics (the SDK's temporal_* and Iris's "
+            "iris_*) at /metrics. Every controller serves its own at /metrics on its port.",
+        ),
+    ] = devstack.DEFAULT_WORKER_METRICS,
+    temporal_metrics_port: Annotated[
+        int,
+        typer.Option(
+            "--temporal-metrics-port",
+            min=1,
+            max=65535,
+            help="The port of the Temporal dev server's own Prometheus metrics (on its address).",
+        ),
+    ] = devstack.DEFAULT_TEMPORAL_METRICS_PORT,
 ) -> None:
-    """Start the embedded stack: Temporal + UI, S3 and GCS emulators, every controller, the worker."""
+    """Start the embedded stack: Temporal + UI, S3 and GCS emulators, every controller, the worker.
+
+    Prints every address, the metrics endpoints among them, and writes DATA_DIR/prometheus.yml, a
+    Prometheus config scraping the worker, every controller and Temporal."""
     if ray and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
         common.STATE.config_file = RAY_CONFIG
     cfg = common.config()
@@ -122,7 +160,17 @@ def dev_command(
         common.fail(str(exc), common.EXIT_INVALID)
     if ray and not ray_specs:
         common.fail(f'--ray: {cfg_file} has no backend with kind = "ray"', common.EXIT_INVALID)
+    try:
+        metrics_host, metrics_port = devstack.host_port(worker_metrics)
+    except ValueError as exc:
+        common.fail(f"--worker-metrics: {exc}", common.EXIT_INVALID)
+    metrics = devstack.metrics_targets(cfg, worker_metrics.strip(), temporal_metrics_port)
     ports = _ports(cfg)
+    temporal_host = cfg.temporal.address.rpartition(":")[0] or "127.0.0.1"
+    ports += [
+        ("worker metrics", metrics_host, metrics_port),
+        ("Temporal metrics", temporal_host, temporal_metrics_port),
+    ]
     for spec in ray_specs:
         ports += [("Ray Jobs API", "127.0.0.1", spec.dashboard_port), ("Ray GCS", "127.0.0.1", spec.gcs_port)]
     busy = [(name, h, p) for name, h, p in ports if devstack.port_open(h, p)]
@@ -154,7 +202,9 @@ def dev_command(
     heads = [devstack.ray_head(spec, data_dir, name="Ray head") for spec in ray_specs]
     services = [
         *heads,
-        devstack.temporal_server(cfg, data_dir, db_file=data_dir / "temporal.db"),
+        devstack.temporal_server(
+            cfg, data_dir, db_file=data_dir / "temporal.db", metrics_port=temporal_metrics_port
+        ),
         devstack.s3_server(cfg, data_dir),
         devstack.gcs_server(cfg, data_dir),
         *(
@@ -178,8 +228,8 @@ def dev_command(
             typer.echo(f"{svc.name:<28} {svc.address}")
         devstack.ensure_buckets(cfg)
         typer.echo(f"{'logs':<28} {data_dir / 'logs'}")
-        asyncio.run(_serve(cfg, data_dir))
-    except devstack.ServiceError as exc:
+        asyncio.run(_serve(cfg, data_dir, metrics))
+    except (devstack.ServiceError, ConfigError) as exc:  # e.g. the worker's metrics port taken meanwhile
         typer.secho(f"error: {exc}", err=True, fg=typer.colors.RED)
         code = common.EXIT_UNAVAILABLE
     except KeyboardInterrupt:

@@ -10,13 +10,25 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import yaml
+from typer._click.core import ParameterSource
 
 from cli import common
-from iris.client import IrisError, attempt_number, latest_attempt, prepare_submission
-from iris.jobs import MAX_RETRIES, MAX_TIMEOUT_S, AttemptView, JobState, JobStatus
+from iris.client import (
+    IrisError,
+    JobSummary,
+    attempt_ended,
+    attempt_number,
+    latest_attempt,
+    prepare_submission,
+)
+from iris.jobfile import JobFileError, load_job_file, parse_duration
+from iris.jobs import MAX_RETRIES, MAX_TIMEOUT_S, AttemptView, JobSpec, JobState, JobStatus
+from iris.policy.models import Disposition
+from iris.policy.queue import DryRun, QueuePosition
 
 job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
 
@@ -60,19 +72,66 @@ def _parse_duration(text: str | None, flag: str) -> float | None:
     """``90s``, ``10m``, ``2h``, ``1d`` or plain seconds; the range is build_spec's to check."""
     if text is None:
         return None
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    t = text.strip().lower()
     try:
-        if t and t[-1] in units:
-            return float(t[:-1]) * units[t[-1]]
-        return float(t)
+        return parse_duration(text)
     except ValueError:
         common.fail(f"invalid {flag} {text!r}: use e.g. 90s, 10m, 2h, 1d", common.EXIT_INVALID)
 
 
+JOB_ID_HELP = "The job id (alice/train-1a2b3c), or for one of your own jobs its name (train-1a2b3c)."
+# `iris job list -o FORMAT`.
+OUTPUTS = ("table", "wide", "json", "yaml")
+# (build_spec keyword, `iris job run` parameter) of every flag a job file's value yields to.
+_FLAG_OF = {
+    "name": "job_name",
+    "device_type": "device_type",
+    "device_variant": "device_variant",
+    "gpu_count": "gpu_count",
+    "replicas": "replicas",
+    "priority": "priority",
+    "target_cluster": "target_cluster",
+    "region": "region",
+    "zone": "zone",
+    "preemptible": "preemptible",
+    "artifacts": "artifact",
+    "scheduling_timeout_s": "scheduling_timeout",
+    "max_retries_failure": "max_retries_failure",
+    "max_retries_preemption": "max_retries_preemption",
+    "timeout_s": "timeout",
+}
+
+
+def _given(ctx: typer.Context, param: str) -> bool:
+    """Whether the user gave ``param`` (on the command line), rather than its default."""
+    return ctx.get_parameter_source(param) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
 @job_app.command("run", context_settings={"allow_interspersed_args": False})
 def run_command(
-    command: Annotated[list[str], typer.Argument(help="The command to run, after `--`.", show_default=False)],
+    ctx: typer.Context,
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(help="The command to run, after `--` (optional with -f).", show_default=False),
+    ] = None,
+    job_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            "-f",
+            metavar="FILE",
+            help="Read the job from a YAML or JSON file (schema: docs/job.schema.json). Flags given "
+            "as well override the file's values; --env adds or replaces single variables.",
+            dir_okay=False,
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Start nothing: print how the job would be classified, where it would go now and "
+            "each peer's verdict (exit 0 if it would run or queue, 2 if it would be rejected).",
+        ),
+    ] = False,
     target_cluster: Annotated[
         str | None, typer.Option("--target-cluster", help="Pin the job to this cluster.")
     ] = None,
@@ -111,9 +170,10 @@ def run_command(
         typer.Option(
             "--max-retries-preemption",
             metavar="N",
-            help="Run the job again, up to N more times, after an attempt its cluster lost: the task "
-            "died with its worker (WORKER_FAILED), the cluster forgot it, or the cluster was silent "
-            f"past its peer_lost_after_s (0-{MAX_RETRIES}).",
+            help="Run the job again, up to N more times, after an attempt its cluster lost or took "
+            "back: the task died with its worker (WORKER_FAILED), the cluster forgot it or was silent "
+            "past its peer_lost_after_s, or a higher-band job preempted it (PREEMPTED) "
+            f"(0-{MAX_RETRIES}).",
         ),
     ] = 1,
     timeout: Annotated[
@@ -141,7 +201,8 @@ def run_command(
         bool, typer.Option("--no-workdir", help="Ship no workspace: the command runs in an empty directory.")
     ] = False,
 ) -> None:
-    """Submit a job: `iris job run --device-type=h100 --gpu-count=8 my_training_script.py`.
+    """Submit a job: `iris job run --device-type=h100 --gpu-count=8 my_training_script.py`,
+    or from a file: `iris job run -f job.yaml` (flags override its values).
 
     The job runs in a copy of the current directory (or --workdir DIR), at most 25 MiB of files.
 
@@ -154,37 +215,67 @@ def run_command(
     Each delivery of the job to a cluster is an attempt: one that failed runs again only within
     --max-retries-failure (default 0), one its cluster lost within --max-retries-preemption
     (default 1); `iris job describe` lists them, `iris job logs --attempt N` prints one's output.
+
+    --dry-run starts nothing and stores nothing: the job is checked and its workspace bundled.
+
+    The home cluster says what it would do with the job now (last reports, ledger and queue).
+
+    `iris job run --dry-run --device-type=h100 --gpu-count=8 train.py`: exit 0 run or queue, 2 reject.
+
+    -f job.yaml: the job from a file (docs/job.schema.json); flags given as well override it.
     """
+    flags: dict[str, Any] = {
+        "name": job_name,
+        "device_type": device_type,
+        "device_variant": device_variant,
+        "gpu_count": gpu_count,
+        "replicas": replicas,
+        "priority": priority,
+        "target_cluster": target_cluster,
+        "region": region,
+        "zone": zone,
+        "preemptible": preemptible,
+        "artifacts": artifact or [],
+        "scheduling_timeout_s": _parse_duration(scheduling_timeout, "--scheduling-timeout"),
+        "max_retries_failure": max_retries_failure,
+        "max_retries_preemption": max_retries_preemption,
+        "timeout_s": _parse_duration(timeout, "--timeout"),
+    }
+    flag_env = _parse_env(env or [])
+    shipped: Path | None = None if no_workdir else workdir
+    if job_file is None:
+        kw: dict[str, Any] = {**flags, "env": flag_env}
+        cmd: list[str] = command or []
+    else:
+        try:
+            from_file = load_job_file(job_file).submission()
+        except JobFileError as exc:
+            common.fail(str(exc), common.EXIT_INVALID)
+        cmd = command or from_file.pop("command")
+        from_file.pop("command", None)
+        file_workdir = from_file.pop("workdir")
+        if not (_given(ctx, "workdir") or _given(ctx, "no_workdir")):
+            shipped = file_workdir
+        kw = {
+            key: flags[key] if _given(ctx, _FLAG_OF[key]) else value
+            for key, value in from_file.items()
+            if key != "env"
+        }
+        kw["env"] = {**from_file["env"], **flag_env}
     try:
-        spec, bundle = prepare_submission(
-            command,
-            workdir=None if no_workdir else workdir,
-            name=job_name,
-            device_type=device_type,
-            device_variant=device_variant,
-            gpu_count=gpu_count,
-            replicas=replicas,
-            priority=priority,
-            target_cluster=target_cluster,
-            region=region,
-            zone=zone,
-            preemptible=preemptible,
-            artifacts=artifact or [],
-            env=_parse_env(env or []),
-            scheduling_timeout_s=_parse_duration(scheduling_timeout, "--scheduling-timeout"),
-            max_retries_failure=max_retries_failure,
-            max_retries_preemption=max_retries_preemption,
-            timeout_s=_parse_duration(timeout, "--timeout"),
-        )
+        spec, bundle = prepare_submission(cmd, workdir=shipped, **kw)
     except IrisError as exc:
         common.fail(str(exc), exc.exit_code)
+
+    if dry_run:
+        raise typer.Exit(common.run(_dry_run(spec, bundle.ref.describe() if bundle is not None else None)))
 
     async def go() -> int:
         client = await common.client()
         job_id = await client.submit_spec(spec, bundle)
         typer.echo(job_id)
-        if bundle is not None:
-            typer.echo(f"workspace {workdir.resolve()}: bundle {bundle.ref.describe()}", err=True)
+        if bundle is not None and shipped is not None:
+            typer.echo(f"workspace {shipped.resolve()}: bundle {bundle.ref.describe()}", err=True)
         if no_wait:
             return common.EXIT_OK
 
@@ -218,40 +309,126 @@ def run_command(
     raise typer.Exit(common.run(go()))
 
 
+def _verdict_rows(report: DryRun) -> list[str]:
+    table = [("VERDICT", "PEERS", "WHY")] + [
+        (v.outlook.value, ", ".join(v.peer_ids), v.message) for v in report.verdicts
+    ]
+    return _table(table)
+
+
+def dry_run_lines(report: DryRun, bundle: str | None) -> list[str]:
+    """What `iris job run --dry-run` prints."""
+    p = report.placement
+    if report.rejected:
+        outcome = f"be rejected: {report.classification}"
+    elif p is not None and report.disposition is Disposition.LOCAL and report.pinned_cluster is None:
+        outcome = f"run at home on {p.peer_id}/{p.backend_id} now"
+    elif p is not None:
+        where = f"{p.peer_id} (backend {p.backend_id})" if p.backend_id else p.peer_id
+        outcome = f"be placed on {where} by the next placement tick"
+    else:
+        code = f" [{report.code}]" if report.code else ""
+        outcome = f"wait in the queue{code}: {report.waiting or report.classification}"
+    lines = [
+        f"Job:            {report.job_id} (dry run: nothing was started or stored)",
+        f"Classification: {report.disposition.value} — {report.classification}",
+        f"Would:          {outcome}",
+    ]
+    if report.position is not None and not report.rejected:
+        lines.append(f"Queue position: {report.position.describe()} ({report.queued} jobs queued now)")
+    if bundle is not None:
+        lines.append(f"Workspace:      {bundle} (checked, not stored)")
+    lines.append("Peers:")
+    lines += [f"  {row}" for row in _verdict_rows(report)]
+    return lines
+
+
+async def _dry_run(spec: JobSpec, bundle: str | None) -> int:
+    client = await common.client()
+    report = await client.dry_run(spec)
+    typer.echo("\n".join(dry_run_lines(report, bundle)))
+    return common.EXIT_INVALID if report.rejected else common.EXIT_OK
+
+
+def _position(pos: QueuePosition | None) -> str:
+    return f"{pos.position}/{pos.of}" if pos is not None else "-"
+
+
+def _summary_tables(rows: Sequence[JobSummary], wide: bool) -> list[str]:
+    if wide:
+        header: tuple[str, ...] = (
+            "JOB ID", "STATE", "POS", "CODE", "CLUSTER", "BAND", "DEVICE", "USER", "STARTED", "AGE", "REASON",
+        )  # fmt: skip
+    else:
+        header = ("JOB ID", "STATE", "POS", "CLUSTER", "BAND", "DEVICE", "USER", "AGE", "REASON")
+    table: list[Sequence[str]] = [header]
+    for r in rows:
+        started = r.started_at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if r.started_at else "-"
+        head = [r.job_id, r.state, _position(r.position)] + ([r.reason_code or "-"] if wide else [])
+        tail = [r.peer or "-", r.band or "-", r.device or "-", r.user or "-"]
+        tail += [started] if wide else []
+        tail += [_age(r.started_at), r.reason if wide else _clip(r.reason, 70)]
+        table.append(head + tail)
+    return _table(table)
+
+
 @job_app.command("list")
 def list_command(
     state: Annotated[str | None, typer.Option("--state", help="Only jobs in this state.")] = None,
     peer: Annotated[str | None, typer.Option("--peer", help="Only jobs on this cluster.")] = None,
     user: Annotated[str | None, typer.Option("--user", help="Only jobs of this submitter.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON lines instead of a table.")] = False,
+    since: Annotated[
+        str | None,
+        typer.Option("--since", metavar="DURATION", help="Only jobs started within, e.g. 90s, 10m, 2h, 1d."),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", metavar="N", help="At most N jobs, the newest (default 1000).")
+    ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="FORMAT",
+            help="table (default), wide (adds the reason code and start time, full reasons), json or yaml.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The same as -o json.")] = False,
 ) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first: `iris job list --since 1h --limit 20 -o wide`.
+
+    POS: a queued job's place among the jobs waiting for its shape, in the placement tick's order.
+
+    2/5 means one job goes first and three after. -o json and -o yaml hold every field.
+    """
     if state is not None and state.upper() not in JobState.__members__:
         common.fail(
             f"unknown state {state!r} (one of: {', '.join(JobState.__members__)})", common.EXIT_INVALID
         )
+    fmt = (output or ("json" if as_json else "table")).strip().lower()
+    if fmt not in OUTPUTS:
+        common.fail(f"unknown output format {output!r} (one of: {', '.join(OUTPUTS)})", common.EXIT_INVALID)
+    if as_json and fmt != "json":
+        common.fail(f"--json is -o json: it cannot go with -o {fmt}", common.EXIT_INVALID)
+    if limit is not None and limit < 1:
+        common.fail(f"invalid --limit {limit}: at least 1", common.EXIT_INVALID)
+    since_s = _parse_duration(since, "--since")
+    if since_s is not None and not since_s > 0:
+        common.fail(f"invalid --since {since!r}: a duration above 0s, e.g. 10m", common.EXIT_INVALID)
 
     async def go() -> None:
         client = await common.client()
-        rows = await client.list(state=state, peer=peer, user=user)
-        if as_json:
-            typer.echo(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
+        rows = await client.list(state=state, peer=peer, user=user, limit=limit or 1000, since_s=since_s)
+        try:
+            rows = await client.with_positions(rows)
+        except IrisError as exc:
+            typer.echo(f"warning: no queue positions: {exc}", err=True)
+        if fmt in ("json", "yaml"):
+            data = [r.model_dump(mode="json") for r in rows]
+            text = json.dumps(data, indent=2) if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
+            typer.echo(text.rstrip("\n"))
             return
-        header = ("JOB ID", "STATE", "CLUSTER", "BAND", "DEVICE", "USER", "AGE", "REASON")
-        table = [header] + [
-            (
-                r.job_id,
-                r.state,
-                r.peer or "-",
-                r.band or "-",
-                r.device or "-",
-                r.user or "-",
-                _age(r.started_at),
-                _clip(r.reason, 70),
-            )
-            for r in rows
-        ]
-        for line in _table(table):
+        for line in _summary_tables(rows, wide=fmt == "wide"):
             typer.echo(line)
 
     common.run(go())
@@ -259,22 +436,37 @@ def list_command(
 
 @job_app.command("describe")
 def describe_command(
-    job_id: Annotated[str, typer.Argument(help="The job id, e.g. alice/train-llama-1a2b3c.")],
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="The full status as JSON.")] = False,
 ) -> None:
-    """Where a job is, why, and how it got there."""
+    """Where a job is, why (its reason code and text), and how it got there.
+
+    A queued job's position among the jobs waiting for the same shape is shown too.
+
+    `iris job describe train-1a2b3c` names one of your own jobs; others' need their full id.
+    """
 
     async def go() -> None:
         client = await common.client()
         st = await client.describe(job_id)
+        position: QueuePosition | None = None
+        position_error = ""
+        if st.state is JobState.QUEUED_HANDOFF:
+            try:
+                position = await client.position(st.job_id)
+            except IrisError as exc:
+                position_error = str(exc)
         if as_json:
-            typer.echo(st.model_dump_json(indent=2))
+            data = st.model_dump(mode="json")
+            data["queue_position"] = position.model_dump(mode="json") if position is not None else None
+            typer.echo(json.dumps(data, indent=2))
             return
         spec = st.spec
+        code = f"{st.reason_code}: " if st.reason_code else ""
         lines = [
             f"Job:            {st.job_id}",
             f"State:          {st.state.value}",
-            f"Reason:         {st.reason}",
+            f"Reason:         {code}{st.reason}",
             f"Cluster:        {st.cluster or '-'}" + (f" (backend {st.backend_id})" if st.backend_id else ""),
         ]
         if spec is not None:
@@ -285,6 +477,10 @@ def describe_command(
                 f"Device:         {spec.device_label}   band: {spec.band.label}"
                 + (f"   pinned to: {spec.target_cluster}" if spec.target_cluster else ""),
             ]
+        if position is not None:
+            lines.append(f"Queue position: {position.describe()}")
+        elif position_error:
+            lines.append(f"Queue position: unknown ({position_error})")
         if st.disposition:
             lines.append(f"Classification: {st.disposition} — {st.classification_reason}")
         if st.exit_code is not None:
@@ -336,7 +532,7 @@ def _attempt_rows(attempts: list[AttemptView]) -> list[str]:
 
 @job_app.command("logs")
 def logs_command(
-    job_id: Annotated[str, typer.Argument(help="The job id.")],
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
     follow: Annotated[
         bool,
         typer.Option(
@@ -353,7 +549,7 @@ def logs_command(
     ] = None,
 ) -> None:
     """Print a job's output (stdout and stderr) of its latest attempt, relayed home from wherever
-    it ran; --attempt N for an earlier one."""
+    it ran; --attempt N for an earlier one. A running attempt's copy is refreshed first (~2 s)."""
 
     async def go() -> None:
         client = await common.client()
@@ -363,7 +559,10 @@ def logs_command(
                 sys.stdout.flush()
             return
         # One attempt throughout (offsets are per attempt), even if a later one starts meanwhile.
-        number = attempt_number(await client.describe(job_id), attempt)
+        status = await client.describe(job_id)
+        number = attempt_number(status, attempt)
+        if not attempt_ended(status, number):
+            await client.refresh_logs(job_id)
         offset = 0
         while True:
             chunk = await client.logs(job_id, offset, attempt=number)
@@ -378,17 +577,20 @@ def logs_command(
 
 @job_app.command("cancel")
 def cancel_command(
-    job_id: Annotated[str, typer.Argument(help="The job id.")],
+    job_id: Annotated[str, typer.Argument(help=JOB_ID_HELP)],
     reason: Annotated[
         str, typer.Option("--reason", help="Recorded in the job's history.")
     ] = "Cancelled by user",
 ) -> None:
-    """Cancel a job, saying whether the cancel won the race against its handoff."""
+    """Cancel a job, saying whether the cancel won the race against its handoff.
+
+    `iris job cancel train-1a2b3c` names one of your own jobs; others' need their full id.
+    """
 
     async def go() -> None:
         client = await common.client()
         outcome = await client.cancel_and_report(job_id, reason)
         verdict = "won" if outcome.won else "lost"
-        typer.echo(f"{job_id}: cancel {verdict} ({outcome.state.value}): {outcome.message}")
+        typer.echo(f"{client.resolve(job_id)}: cancel {verdict} ({outcome.state.value}): {outcome.message}")
 
     common.run(go())

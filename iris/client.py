@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import getpass
 import math
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -42,6 +43,7 @@ from temporalio.exceptions import FailureError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
+from activities.inquiry import MAX_POSITION_IDS, DryRunRequest, PositionsAnswer, PositionsRequest
 from iris import contract
 from iris.bundle import Bundle, BundleError, BundleRef, contains, home_key, pack, store_at_home
 from iris.config import ConfigError, FederationConfig, load_config
@@ -50,9 +52,11 @@ from iris.contract import (
     SA_BAND,
     SA_DEVICE_VARIANT,
     SA_PEER,
+    SA_REASON,
     SA_STATE,
     SA_SUBMITTER,
     job_workflow_id,
+    manager_workflow_id,
 )
 from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
 from iris.controller.models import MAX_COMMAND_ARGS, MAX_USER_CHARS, LogChunk, validate_job_id
@@ -72,11 +76,13 @@ from iris.logrelay import LogRelay, RelayedChunk
 from iris.objectstore import StoreError, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
+from iris.policy.queue import DryRun, QueuePosition
 from iris.reports import FederationView, config_view
 from iris.temporal import connect
 from iris.userauth import Action, AuthError, Signer, audience
 from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
+from workflows.placement import PlacementManager
 
 T = TypeVar("T")
 _A = TypeVar("_A")
@@ -93,6 +99,11 @@ UPDATE_RETRY_FIRST_S = 0.1
 UPDATE_RETRY_MAX_S = 2.0
 _ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# A reader following a running job's log asks its workflow to relay it this often (for twice as long).
+_WANT_LOGS_EVERY_S = 60.0
+# An inquiry that reached the manager as its run was closing (continued as new) is sent again to the
+# next run this many times.
+INQUIRY_ATTEMPTS = 4
 
 
 class IrisError(Exception):
@@ -135,6 +146,10 @@ class JobSummary(BaseModel):
     started_at: datetime | None
     closed: bool
     reason: str = ""
+    # The reason's stable code (the IrisReason search attribute, iris/policy/reasons.py).
+    reason_code: str | None = None
+    # A queued job's place among the jobs competing for its shape (``with_positions``).
+    position: QueuePosition | None = None
 
 
 def current_user() -> str:
@@ -537,16 +552,46 @@ class AsyncIrisClient:
         spec, bundle = await asyncio.to_thread(prepare_submission, command or [], workdir=workdir, **kw)
         return await self.submit_spec(spec, bundle)
 
+    def resolve(self, job_id: str) -> str:
+        """The job id a name stands for: a bare name (no ``/``) is the current user's job,
+        ``<user>/<name>``, as ``build_spec`` names it (kubectl resolves a name in the current
+        namespace the same way); a full id is kept as given."""
+        if "/" in job_id or not job_id:
+            return job_id
+        return f"{_user_prefix(self.principal)}/{job_id}"
+
     async def describe(self, job_id: str) -> JobStatus:
+        """The job's status, from its workflow; ``job_id`` may be a bare name (see ``resolve``).
+
+        A job whose workflow has closed is read from its result, which Temporal keeps: a query of a
+        closed workflow would make a worker replay its whole history (docs/DESIGN.md, "Reading a
+        job's status"). A running one answers the status query from its worker's cache."""
+        job_id = self.resolve(job_id)
+        handle = self._handle(job_id)
         try:
-            return await self._handle(job_id).query(JobWorkflow.status)
+            desc = await handle.describe()
+            if desc.status == WorkflowExecutionStatus.COMPLETED:
+                ended = await self._ended(handle)
+                if ended is not None:
+                    return ended
+            return await handle.query(JobWorkflow.status)
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
                 raise JobNotFound(f"job {job_id} not found") from None
             raise Unavailable(f"cannot describe {job_id}: {exc.message}") from None
 
+    @staticmethod
+    async def _ended(handle: WorkflowHandle[JobWorkflow, JobStatus]) -> JobStatus | None:
+        """The status a completed run returned (following continue-as-new to the last run); None
+        if the chain did not end with a status (a run failed, was terminated or timed out)."""
+        try:
+            return await handle.result()
+        except WorkflowFailureError:
+            return None
+
     async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
         """Fire-and-forget cancel (a signal)."""
+        job_id = self.resolve(job_id)
         request = self._signed_cancel(job_id, reason)
         try:
             await self._handle(job_id).signal(JobWorkflow.cancel, request)
@@ -557,6 +602,7 @@ class AsyncIrisClient:
 
     async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
+        job_id = self.resolve(job_id)
         request = self._signed_cancel(job_id, reason)
         try:
             return await execute_update(self._handle(job_id), JobWorkflow.cancel_job, request, CancelOutcome)
@@ -611,6 +657,7 @@ class AsyncIrisClient:
         """
         if peer is not None and requeue:
             raise InvalidJob("choose --peer or --requeue, not both")
+        job_id = self.resolve(job_id)
         handle = self._handle(job_id)
         try:
             desc = await handle.describe()
@@ -682,8 +729,18 @@ class AsyncIrisClient:
         peer: str | None = None,
         user: str | None = None,
         limit: int = 1000,
+        since_s: float | None = None,
     ) -> list[JobSummary]:
+        """Jobs, newest first, from the visibility store: at most ``limit``, only those started
+        within the last ``since_s`` seconds if given."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidJob(f"--limit must be a whole number from 1, got {limit!r:.40}")
         query = [f"WorkflowType = {_quote(JOB_WORKFLOW)}"]
+        if since_s is not None:
+            if isinstance(since_s, bool) or not isinstance(since_s, int | float) or not since_s > 0:
+                raise InvalidJob(f"--since must be a duration above 0s, got {since_s!r:.40}")
+            since = datetime.now(UTC) - timedelta(seconds=min(since_s, 100 * 365 * 86400))
+            query.append(f"StartTime > {_quote(since.isoformat().replace('+00:00', 'Z'))}")
         if state:
             query.append(f"{SA_STATE.name} = {_quote(state.upper())}")
         if peer:
@@ -706,11 +763,71 @@ class AsyncIrisClient:
                         started_at=wf.start_time,
                         closed=wf.status is not None and wf.status != WorkflowExecutionStatus.RUNNING,
                         reason=str((await wf.memo()).get(contract.MEMO_REASON, "")),
+                        reason_code=sa.get(SA_REASON),
                     )
                 )
         except RPCError as exc:
             raise Unavailable(f"cannot list jobs: {exc.message}") from None
         return rows
+
+    def _manager(self) -> WorkflowHandle[PlacementManager, None]:
+        return self.temporal.get_workflow_handle_for(
+            PlacementManager.run, manager_workflow_id(self.config.temporal.task_queue)
+        )
+
+    async def _inquire(
+        self, update: UpdateMethodMultiParam[[Any, _A], Any], arg: _A, result_type: type[T]
+    ) -> T:
+        """Ask the placement manager (docs/DESIGN.md, "Queue position and dry-run"); Unavailable
+        with the reason if it cannot answer. Sent to its latest run: one that closed as the question
+        arrived (it continued as new) is followed by the next."""
+        what = "read the queue" if result_type is PositionsAnswer else "dry-run the job"
+        for attempt in range(1, INQUIRY_ATTEMPTS + 1):
+            try:
+                return await execute_update(self._manager(), update, arg, result_type)
+            except WorkflowUpdateFailedError as exc:
+                raise Unavailable(
+                    f"cannot {what}: the placement manager refused: {update_refusal(exc)}"
+                ) from None
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND or attempt == INQUIRY_ATTEMPTS:
+                    raise Unavailable(
+                        f"cannot {what}: the placement manager does not answer ({exc.message}); "
+                        "is a worker running?"
+                    ) from None
+            await asyncio.sleep(0.2 * attempt)
+        raise AssertionError("unreachable")
+
+    async def queue_positions(self, job_ids: Sequence[str]) -> dict[str, QueuePosition]:
+        """Each of ``job_ids`` still queued, with its position among the jobs competing for its
+        shape as the planner orders them; a job not queued is left out. Bare names resolve."""
+        ids = sorted({self.resolve(j) for j in job_ids})
+        found: dict[str, QueuePosition] = {}
+        for start in range(0, len(ids), MAX_POSITION_IDS):
+            request = PositionsRequest(job_ids=ids[start : start + MAX_POSITION_IDS])
+            answer = await self._inquire(PlacementManager.queue_positions, request, PositionsAnswer)
+            found.update(answer.positions)
+        return found
+
+    async def position(self, job_id: str) -> QueuePosition | None:
+        """The job's queue position, None unless it is queued."""
+        job_id = self.resolve(job_id)
+        return (await self.queue_positions([job_id])).get(job_id)
+
+    async def with_positions(self, rows: Sequence[JobSummary]) -> builtins.list[JobSummary]:
+        """``rows`` with the queue position of each queued one filled in (one question)."""
+        queued = [r.job_id for r in rows if not r.closed and r.state == JobState.QUEUED_HANDOFF.value]
+        if not queued:
+            return [*rows]
+        positions = await self.queue_positions(queued)
+        return [r.model_copy(update={"position": positions.get(r.job_id)}) for r in rows]
+
+    async def dry_run(self, spec: JobSpec) -> DryRun:
+        """What the job would do if submitted now, judged at home on the stored reports, ledger
+        and queue (``iris job run --dry-run``): its classification, the queue position it would
+        take and each peer's verdict. Nothing is started and nothing stored."""
+        request = DryRunRequest(job=spec.shape())
+        return await self._inquire(PlacementManager.dry_run, request, DryRun)
 
     async def wait(
         self,
@@ -720,7 +837,12 @@ class AsyncIrisClient:
         poll_interval_s: float = 0.25,
         timeout_s: float | None = None,
     ) -> JobStatus:
-        """Wait until the job is terminal, calling ``on_change`` on each state or reason change."""
+        """Wait until the job is terminal, calling ``on_change`` on each state or reason change
+        (polled every ``poll_interval_s``). Without ``on_change`` it waits for the workflow's result
+        by Temporal's long poll, which costs the workers nothing."""
+        job_id = self.resolve(job_id)
+        if on_change is None:
+            return await self._wait_for_result(job_id, timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last: tuple[JobState, str] | None = None
         while True:
@@ -728,15 +850,33 @@ class AsyncIrisClient:
             key = (status.state, status.reason)
             if key != last:
                 last = key
-                if on_change is not None:
-                    res = on_change(status)
-                    if asyncio.iscoroutine(res):
-                        await res
+                res = on_change(status)
+                if asyncio.iscoroutine(res):
+                    await res
             if status.terminal:
                 return status
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {status.state.value} after {timeout_s}s")
             await asyncio.sleep(poll_interval_s)
+
+    async def _wait_for_result(self, job_id: str, timeout_s: float | None) -> JobStatus:
+        """Wait for the workflow's result by Temporal's long poll of its history: no query, so no
+        worker does any work for a waiter (docs/DESIGN.md, "Reading a job's status")."""
+        handle = self._handle(job_id)
+        try:
+            return await asyncio.wait_for(handle.result(), timeout=timeout_s)
+        except TimeoutError:
+            status = await self.describe(job_id)
+            if status.terminal:
+                return status
+            raise TimeoutError(f"job {job_id} still {status.state.value} after {timeout_s}s") from None
+        except WorkflowFailureError:
+            # The workflow itself failed or was terminated (an operator's act): its last status.
+            return await self.describe(job_id)
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                raise JobNotFound(f"job {job_id} not found") from None
+            raise Unavailable(f"cannot wait for {job_id}: {exc.message}") from None
 
     async def _read_relay(self, job_id: str, attempt: int, offset: int) -> RelayedChunk:
         if self._relay is None:
@@ -753,6 +893,7 @@ class AsyncIrisClient:
         Works wherever the job ran, and after the peer has forgotten it; ``eof`` once the attempt
         (or the job) has ended and everything was read.
         """
+        job_id = self.resolve(job_id)
         status = await self.describe(job_id)
         number = attempt_number(status, attempt)
         chunk = await self._read_relay(job_id, number, offset)
@@ -763,6 +904,21 @@ class AsyncIrisClient:
             eof=attempt_ended(status, number) and not chunk.data,
         )
 
+    async def _want_logs(self, job_id: str, seconds: float = 2 * _WANT_LOGS_EVERY_S) -> None:
+        """Ask the job's workflow to relay its running attempt's log every second for ``seconds``
+        (docs/DESIGN.md, "Logs"); a job that has ended, or cannot be reached now, is read as is."""
+        until_ms = int((time.time() + seconds) * 1000)
+        with contextlib.suppress(RPCError):
+            await self._handle(job_id).signal(JobWorkflow.want_logs, until_ms)
+
+    async def refresh_logs(self, job_id: str, *, settle_s: float = 2.0) -> None:
+        """Have a running job's relayed log brought up to date before it is read: while it runs, the
+        home copy is otherwise refreshed only every few minutes (docs/DESIGN.md, "Logs"). Waits
+        ``settle_s`` for the copy."""
+        job_id = self.resolve(job_id)
+        await self._want_logs(job_id, seconds=settle_s + 5)
+        await asyncio.sleep(settle_s)
+
     async def follow_logs(
         self, job_id: str, *, attempt: int | None = None, poll_interval_s: float = 0.25
     ) -> AsyncIterator[str]:
@@ -772,9 +928,14 @@ class AsyncIrisClient:
         retried job's output goes on in its next attempt). With ``attempt``: that attempt's output,
         until it ends.
         """
+        job_id = self.resolve(job_id)
         number: int | None = None
         offset = 0
+        asked = -math.inf
         while True:
+            if time.monotonic() - asked >= _WANT_LOGS_EVERY_S:
+                asked = time.monotonic()
+                await self._want_logs(job_id)
             # The status is read before the log: an attempt seen ended has all its output relayed.
             status = await self.describe(job_id)
             if number is None:
@@ -869,6 +1030,18 @@ class IrisClient:
 
     def list(self, **kw: Any) -> list[JobSummary]:
         return self._run(self._async.list(**kw))
+
+    def queue_positions(self, job_ids: Sequence[str]) -> dict[str, QueuePosition]:
+        return self._run(self._async.queue_positions(job_ids))
+
+    def position(self, job_id: str) -> QueuePosition | None:
+        return self._run(self._async.position(job_id))
+
+    def dry_run(self, spec: JobSpec) -> DryRun:
+        return self._run(self._async.dry_run(spec))
+
+    def resolve(self, job_id: str) -> str:
+        return self._async.resolve(job_id)
 
     def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
         return self._run(self._async.wait(job_id, timeout_s=timeout_s))

@@ -172,6 +172,12 @@ class ClusterConfig(BaseModel):
     # that user's primary group and no other (docs/DESIGN.md, "Job → controller"). A controller
     # that is not root cannot switch users and warns at start-up; "root" keeps root, with a warning.
     run_as: str = Field(default="nobody", min_length=1)
+    # How long the controller keeps a finished job (its record, log and work directory) before
+    # retention removes it (docs/DESIGN.md, "Retention").
+    retention_s: float = Field(default=7 * 86_400.0, gt=0)
+    # How long a job preempted for a higher band has between SIGTERM and SIGKILL (docs/DESIGN.md,
+    # "Preemption").
+    preempt_grace_s: float = Field(default=30.0, ge=0, le=3600)
 
     @property
     def url(self) -> str:
@@ -235,9 +241,43 @@ class TemporalConfig(BaseModel):
     tls: TemporalTLSConfig | None = None
 
 
+class TelemetryConfig(BaseModel):
+    """Tracing (docs/DESIGN.md, "Tracing"): off unless an OTLP endpoint is set, here or in the
+    standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (which win)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # An OTLP/HTTP collector's base URL, e.g. "http://127.0.0.1:4318": spans go to <url>/v1/traces.
+    # Empty: no tracing (no exporter, no network). Credentials never go in the URL: the collector's
+    # headers, if it needs any, come from OTEL_EXPORTER_OTLP_HEADERS.
+    otlp_endpoint: str = ""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            return value
+        # The value is never echoed: a mistaken one may hold a credential.
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+        except ValueError:
+            raise ValueError("not an http(s)://HOST[:PORT] URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http(s)://HOST[:PORT] URL")
+        if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+            raise ValueError(
+                "takes no credentials, query or fragment (a collector's headers: OTEL_EXPORTER_OTLP_HEADERS)"
+            )
+        return value
+
+
 class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
+    # Tracing (docs/DESIGN.md, "Tracing"); off by default.
+    telemetry: TelemetryConfig = TelemetryConfig()
     # A peer report older than this is treated as unknown (docs/DESIGN.md, "Staleness and reachability").
     # A cluster running an attempt that has not answered for this long has lost it: the attempt
     # ends and the job goes back to the queue (docs/DESIGN.md, "Attempts").
@@ -253,6 +293,12 @@ class FederationConfig(BaseModel):
     # send to one peer.
     tick_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_per_peer_per_tick: int | None = Field(default=8, ge=1)
+    # Mirroring (docs/DESIGN.md, "The change feed"): one watcher per cluster long-polls its change
+    # feed and signals each changed job (and re-signals every running job every 30 minutes); a
+    # running job also asks its cluster itself this often (the safety poll, which also refreshes
+    # its relayed log). 0: no watchers, every running job polls its cluster (the design before the
+    # change feed).
+    mirror_safety_poll_s: float = Field(default=900.0, ge=0)
     # Who may submit, cancel and replay, with their public keys and roles (docs/DESIGN.md, "User →
     # home"); the worker verifies every request against it. ``iris dev`` adds the OS user (admin).
     users: dict[str, UserConfig] = Field(default_factory=dict)

@@ -20,12 +20,14 @@ from temporalio.common import SearchAttributeKey
 JOB_WORKFLOW = "JobWorkflow"
 PLACEMENT_MANAGER = "PlacementManager"
 LIST_PEERS = "ListPeers"
+PEER_WATCH = "PeerWatch"
 
 # ---- task queues and workflow ids ----------------------------------------------------------------
 
 PLACEMENT_QUEUE_SUFFIX = "-placement"
 _MANAGER_ID_PREFIX = "iris-placement-manager/"
 _LIST_PEERS_ID_PREFIX = "iris-rpc/list-peers/"
+_PEER_WATCH_ID_PREFIX = "iris-peer-watch/"
 
 
 def job_workflow_id(job_id: str) -> str:
@@ -49,8 +51,13 @@ def list_peers_workflow_id(unique: str) -> str:
     return _LIST_PEERS_ID_PREFIX + unique
 
 
+def peer_watch_workflow_id(task_queue: str, cluster: str) -> str:
+    """One watcher of each cluster's change feed per task queue (docs/DESIGN.md, "Mirroring")."""
+    return f"{_PEER_WATCH_ID_PREFIX}{task_queue}/{cluster}"
+
+
 # Every workflow id the federation starts for itself begins with one of these; no job may take one.
-INTERNAL_WORKFLOW_ID_PREFIXES = (_MANAGER_ID_PREFIX, _LIST_PEERS_ID_PREFIX)
+INTERNAL_WORKFLOW_ID_PREFIXES = (_MANAGER_ID_PREFIX, _LIST_PEERS_ID_PREFIX, _PEER_WATCH_ID_PREFIX)
 
 
 def is_internal_workflow_id(workflow_id: str) -> bool:
@@ -60,12 +67,16 @@ def is_internal_workflow_id(workflow_id: str) -> bool:
 
 
 # ---- messages ------------------------------------------------------------------------------------
-# JobWorkflow: signals from the placement tick (place, explain, expire) and the SDK (cancel); the
+# JobWorkflow: signals from the placement tick (place, explain_reason, expire; explain is the older
+# text-only form of explain_reason, kept for runs that still hold one) and the SDK (cancel); the
 # Updates an answer is needed for (cancel_job: did the cancel win?; replay_handoff: an operator's);
-# the status query. PlacementManager: the wake signal and the last_tick query.
+# the status query; from its cluster's watcher, what changed there (observe); from a reader of its
+# logs, a refresh of the relayed copy (want_logs). PlacementManager: the wake signal, the
+# last_tick query and the clients' Updates (queue_positions, dry_run).
 
 PLACE = "place"
 EXPLAIN = "explain"
+EXPLAIN_REASON = "explain_reason"
 EXPIRE = "expire"
 CANCEL = "cancel"
 CANCEL_JOB = "cancel_job"
@@ -73,6 +84,12 @@ REPLAY_HANDOFF = "replay_handoff"
 STATUS = "status"
 WAKE = "wake"
 LAST_TICK = "last_tick"
+# PlacementManager Updates: what a client asks of the queue (docs/DESIGN.md, "Queue position and
+# dry-run"), answered by a local activity reading the store.
+QUEUE_POSITIONS = "queue_positions"
+DRY_RUN = "dry_run"
+OBSERVE = "observe"
+WANT_LOGS = "want_logs"
 
 # ---- activities ----------------------------------------------------------------------------------
 
@@ -93,6 +110,9 @@ REQUEUE_JOB = "requeue_job"
 RECORD_FENCE = "record_fence"
 PLACEMENT_TICK = "placement_tick"
 VERIFY_REQUEST = "verify_request"
+WATCH_PEER = "watch_peer"
+READ_QUEUE_POSITIONS = "read_queue_positions"
+PLAN_DRY_RUN = "plan_dry_run"
 
 # ---- error types activities raise (ApplicationError.type) ----------------------------------------
 
@@ -116,12 +136,29 @@ SA_PEER = SearchAttributeKey.for_keyword("IrisPeer")
 SA_DEVICE_VARIANT = SearchAttributeKey.for_keyword("IrisDeviceVariant")
 SA_BAND = SearchAttributeKey.for_keyword("IrisBand")
 SA_SUBMITTER = SearchAttributeKey.for_keyword("IrisSubmitter")
-SEARCH_ATTRIBUTE_KEYS = (SA_STATE, SA_PEER, SA_DEVICE_VARIANT, SA_BAND, SA_SUBMITTER)
+# The job's current reason code (iris/policy/reasons.py), e.g. IrisReason = 'NoCapacity'.
+SA_REASON = SearchAttributeKey.for_keyword("IrisReason")
+SEARCH_ATTRIBUTE_KEYS = (SA_STATE, SA_PEER, SA_DEVICE_VARIANT, SA_BAND, SA_SUBMITTER, SA_REASON)
 SEARCH_ATTRIBUTES: dict[str, str] = {key.name: "Keyword" for key in SEARCH_ATTRIBUTE_KEYS}
 # The memo key holding a job's current reason (so `iris job list` needs no query per job).
 MEMO_REASON = "reason"
 
-MESSAGE_NAMES = (PLACE, EXPLAIN, EXPIRE, CANCEL, CANCEL_JOB, REPLAY_HANDOFF, STATUS, WAKE, LAST_TICK)
+MESSAGE_NAMES = (
+    PLACE,
+    EXPLAIN,
+    EXPLAIN_REASON,
+    EXPIRE,
+    CANCEL,
+    CANCEL_JOB,
+    REPLAY_HANDOFF,
+    STATUS,
+    WAKE,
+    LAST_TICK,
+    QUEUE_POSITIONS,
+    DRY_RUN,
+    OBSERVE,
+    WANT_LOGS,
+)
 ACTIVITY_NAMES = (
     FETCH_REPORTS,
     CHECK_ARTIFACTS,
@@ -140,6 +177,9 @@ ACTIVITY_NAMES = (
     RECORD_FENCE,
     PLACEMENT_TICK,
     VERIFY_REQUEST,
+    WATCH_PEER,
+    READ_QUEUE_POSITIONS,
+    PLAN_DRY_RUN,
 )
-WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS)
+WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS, PEER_WATCH)
 ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE, STORE_CONFLICT, UNAUTHENTICATED)

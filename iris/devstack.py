@@ -177,7 +177,11 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
 
 
-def temporal_server(config: FederationConfig, data_dir: Path, *, db_file: Path | None) -> ManagedProcess:
+def temporal_server(
+    config: FederationConfig, data_dir: Path, *, db_file: Path | None, metrics_port: int | None = None
+) -> ManagedProcess:
+    """The Temporal dev server; with ``metrics_port`` its own Prometheus metrics are served at
+    ``http://<its host>:<metrics_port>/metrics`` (else on a random port nobody is told of)."""
     host, _, port = config.temporal.address.rpartition(":")
     argv = [
         str(venv_bin("temporal")),
@@ -196,6 +200,8 @@ def temporal_server(config: FederationConfig, data_dir: Path, *, db_file: Path |
     ]
     if db_file is not None:
         argv += ["--db-filename", str(db_file)]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     for name, kind in SEARCH_ATTRIBUTES.items():
         argv += ["--search-attribute", f"{name}={kind}"]
     ui = f"http://{host or '127.0.0.1'}:{config.temporal.ui_port}"
@@ -330,6 +336,76 @@ def ensure_buckets(config: FederationConfig) -> None:
     for c in config.clusters:
         if c.object_store is not None:
             open_store(c.object_store, environ=store_credentials(config, c.name)).ensure_bucket()
+
+
+# ---- metrics (docs/DESIGN.md, "Metrics") -------------------------------------------------------
+
+# Where `iris dev` serves the worker's metrics and has Temporal serve its own, unless told otherwise.
+DEFAULT_WORKER_METRICS = "127.0.0.1:9464"
+DEFAULT_TEMPORAL_METRICS_PORT = 9465
+# The scrape jobs, the same in docker-compose's Prometheus (deploy/prometheus/prometheus.yml): the
+# dashboard (deploy/grafana/) selects by them.
+WORKER_JOB = "iris-worker"
+CONTROLLER_JOB = "iris-controller"
+TEMPORAL_JOB = "temporal"
+SCRAPE_INTERVAL_S = 5
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` split; ValueError (one line) for anything else."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MetricsTarget:
+    """One endpoint Prometheus scrapes: its job, ``host:port``, and labels of its own."""
+
+    name: str
+    job: str
+    address: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+
+def metrics_targets(config: FederationConfig, worker: str, temporal_port: int) -> list[MetricsTarget]:
+    """Every metrics endpoint of the embedded stack: the worker (``worker`` is its ``HOST:PORT``),
+    each controller (``/metrics`` on its API port, labelled with its cluster) and Temporal."""
+    temporal_host = config.temporal.address.rpartition(":")[0] or "127.0.0.1"
+    return [
+        MetricsTarget("worker", WORKER_JOB, worker),
+        *(
+            MetricsTarget(f"controller {c.name}", CONTROLLER_JOB, f"{c.host}:{c.port}", {"cluster": c.name})
+            for c in config.clusters
+        ),
+        MetricsTarget("Temporal", TEMPORAL_JOB, f"{temporal_host}:{temporal_port}"),
+    ]
+
+
+def prometheus_config(
+    targets: Sequence[MetricsTarget], *, scrape_interval_s: float = SCRAPE_INTERVAL_S
+) -> str:
+    """A Prometheus configuration (YAML) scraping ``targets``, one scrape job per kind."""
+    import yaml
+
+    jobs: dict[str, list[dict[str, object]]] = {}
+    for t in targets:
+        static: dict[str, object] = {"targets": [t.address]}
+        if t.labels:
+            static["labels"] = t.labels
+        jobs.setdefault(t.job, []).append(static)
+    interval = f"{scrape_interval_s:g}s"
+    document = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": [{"job_name": job, "static_configs": static} for job, static in jobs.items()],
+    }
+    header = '# Written by `iris dev` (docs/DESIGN.md, "Metrics").\n'
+    return header + yaml.safe_dump(document, sort_keys=False)
 
 
 # ---- Ray (``iris dev --ray`` and the Ray tests) ------------------------------------------------

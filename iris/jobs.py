@@ -14,9 +14,10 @@ from pydantic import BaseModel, Field
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
-from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_STATE, SA_SUBMITTER
+from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_REASON, SA_STATE, SA_SUBMITTER
 from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
+from iris.policy.reasons import ReasonCode
 from iris.store.models import HandleState
 
 
@@ -81,6 +82,8 @@ _MIRRORED: Mapping[ControllerJobState, JobState] = MappingProxyType(
         ControllerJobState.FAILED: JobState.FAILED,
         ControllerJobState.KILLED: JobState.KILLED,
         ControllerJobState.WORKER_FAILED: JobState.FAILED,
+        # Shown only when no retry is left (a preempted attempt is otherwise queued again).
+        ControllerJobState.PREEMPTED: JobState.FAILED,
     }
 )
 _HANDLE_END: Mapping[JobState, HandleState] = MappingProxyType(
@@ -92,6 +95,34 @@ _HANDLE_END: Mapping[JobState, HandleState] = MappingProxyType(
         JobState.HANDOFF_REJECTED: HandleState.HANDOFF_REJECTED,
     }
 )
+
+
+# The code each state shows when nothing more precise is known (docs/DESIGN.md, "Reason codes"): the
+# workflow names a more precise one where it knows it (a FAILED job's Timeout or PeerLost, a parked
+# job's ArtifactMissing or PeerUnreachable, a queued job's code from the tick, a refused submission).
+_STATE_CODES: Mapping[JobState, ReasonCode] = MappingProxyType(
+    {
+        JobState.CLASSIFYING: ReasonCode.Pending,
+        JobState.QUEUED_HANDOFF: ReasonCode.Pending,
+        JobState.PENDING_HANDOFF: ReasonCode.Pending,
+        JobState.BUILDING: ReasonCode.Pending,
+        JobState.HANDED_OFF: ReasonCode.Running,
+        JobState.PENDING: ReasonCode.Running,
+        JobState.RUNNING: ReasonCode.Running,
+        JobState.SUCCEEDED: ReasonCode.Succeeded,
+        JobState.FAILED: ReasonCode.ExitNonZero,
+        JobState.KILLED: ReasonCode.Cancelled,
+        JobState.UNSCHEDULABLE: ReasonCode.DeadlinePassed,
+        JobState.REJECTED: ReasonCode.ShapeMismatch,
+        JobState.HANDOFF_REJECTED: ReasonCode.HandoffRefused,
+        JobState.HANDOFF_FAILED: ReasonCode.HandoffFailed,
+    }
+)
+
+
+def state_code(state: JobState) -> ReasonCode:
+    """The reason code a job in ``state`` shows unless its workflow names a more precise one."""
+    return _STATE_CODES[state]
 
 
 def mirrored_state(remote: ControllerJobState) -> JobState:
@@ -131,7 +162,8 @@ class AttemptEnd(StrEnum):
     TIMEOUT = "TIMEOUT"
     # Terminated (a cancel): never retried.
     KILLED = "KILLED"
-    # Its cluster lost it (WORKER_FAILED, forgotten, or silent past peer_lost_after): retried under
+    # Its cluster lost it (WORKER_FAILED, forgotten, or silent past peer_lost_after), or preempted it
+    # for a higher band (PREEMPTED, docs/DESIGN.md, "Preemption"): retried under
     # --max-retries-preemption.
     PREEMPTED = "PREEMPTED"
 
@@ -139,16 +171,41 @@ class AttemptEnd(StrEnum):
     def retryable(self) -> bool:
         return self in (AttemptEnd.FAILED, AttemptEnd.PREEMPTED)
 
+    @property
+    def code(self) -> ReasonCode:
+        """The job's reason code when it ends so (docs/DESIGN.md, "Reason codes")."""
+        return _END_CODES[self]
+
+
+_END_CODES: Mapping[AttemptEnd, ReasonCode] = MappingProxyType(
+    {
+        AttemptEnd.SUCCEEDED: ReasonCode.Succeeded,
+        AttemptEnd.FAILED: ReasonCode.ExitNonZero,
+        AttemptEnd.TIMEOUT: ReasonCode.Timeout,
+        AttemptEnd.KILLED: ReasonCode.Cancelled,
+        AttemptEnd.PREEMPTED: ReasonCode.PeerLost,
+    }
+)
+
 
 def attempt_end(remote: ControllerJobState, error: str | None) -> AttemptEnd:
     """How an attempt whose cluster reports it ``remote`` (terminal) ended."""
     if remote is ControllerJobState.SUCCEEDED:
         return AttemptEnd.SUCCEEDED
-    if remote is ControllerJobState.WORKER_FAILED:
+    if remote in (ControllerJobState.WORKER_FAILED, ControllerJobState.PREEMPTED):
         return AttemptEnd.PREEMPTED
     if remote is ControllerJobState.KILLED:
         return AttemptEnd.KILLED
     return AttemptEnd.TIMEOUT if error == TIMED_OUT else AttemptEnd.FAILED
+
+
+def end_code(remote: ControllerJobState, error: str | None, *, preemption: bool = True) -> ReasonCode:
+    """The job's reason code when its attempt ends as its cluster reports it (``remote``, terminal):
+    ``Preempted`` for an attempt its cluster preempted (unless ``preemption`` is off: a run that
+    predates it shows that as its cluster losing the attempt), else its ``AttemptEnd``'s."""
+    if preemption and remote is ControllerJobState.PREEMPTED:
+        return ReasonCode.Preempted
+    return attempt_end(remote, error).code
 
 
 class AttemptView(BaseModel):
@@ -164,6 +221,9 @@ class AttemptView(BaseModel):
     end: str | None = None
     exit_code: int | None = None
     reason: str | None = None
+    # For an attempt its cluster preempted for a higher band: the cluster's word on it,
+    # "preempted by <job id> at <time>" (docs/DESIGN.md, "Preemption").
+    preempted: str | None = None
 
 
 class JobSpec(BaseModel):
@@ -215,12 +275,31 @@ class JobSpec(BaseModel):
         label = f"{variant}×{d.count}"
         return label if d.replicas == 1 else f"{label}, {d.replicas} replicas"
 
+    @property
+    def metric_device(self) -> str:
+        """The ``device`` label of the job's metrics (iris/metrics.py): ``cpu``, ``h100x8``, or
+        ``h100x8x2`` for two replicas of eight."""
+        d = self.device
+        if d.type == "cpu" or d.count == 0:
+            return "cpu"
+        variant = d.type if d.variant == "auto" else d.variant
+        label = f"{variant}x{d.count}"
+        return label if d.replicas == 1 else f"{label}x{d.replicas}"
+
     def summary(self) -> str:
         """One line for the Web UI's static summary, e.g. ``train-llama · h100×8 · → cw-us-east-02a``."""
         parts = [self.name, self.device_label, self.band.label]
         if self.target_cluster:
             parts.append(f"→ {self.target_cluster}")
         return " · ".join(parts)
+
+
+class WaitReason(BaseModel):
+    """The tick's ``explain_reason`` signal: why a queued job still waits, and the stable code of
+    that reason (docs/DESIGN.md, "Reason codes")."""
+
+    reason: str
+    code: ReasonCode
 
 
 class JobEvent(BaseModel):
@@ -246,6 +325,8 @@ class JobStatus(BaseModel):
     job_id: str
     state: JobState
     reason: str = ""
+    # The reason's stable code (iris/policy/reasons.py); None in a run that predates them.
+    reason_code: ReasonCode | None = None
     disposition: str | None = None
     classification_reason: str | None = None
     cluster: str | None = None
@@ -322,6 +403,7 @@ def start_search_attributes(spec: JobSpec) -> TypedSearchAttributes:
     return TypedSearchAttributes(
         [
             SearchAttributePair(SA_STATE, JobState.CLASSIFYING.value),
+            SearchAttributePair(SA_REASON, ReasonCode.Pending.value),
             SearchAttributePair(SA_DEVICE_VARIANT, variant),
             SearchAttributePair(SA_BAND, spec.band.label),
             SearchAttributePair(SA_SUBMITTER, spec.user),

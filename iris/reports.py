@@ -20,6 +20,9 @@ class FederationView(BaseModel):
     stale_after_ms: int
     # How long a cluster running an attempt may stay silent before the attempt counts as lost.
     peer_lost_after_s: float = 600.0
+    # How often a running job asks its cluster itself while the cluster's watcher signals its
+    # changes (docs/DESIGN.md, "Mirroring"); 0: no watchers, the job polls its cluster throughout.
+    mirror_safety_poll_s: float = 0.0
     reports: list[PeerReport]
     # When the reports were read: staleness is judged at that instant, not when a (possibly
     # delayed) workflow task gets to look at them.
@@ -66,6 +69,7 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
         home=config.home,
         stale_after_ms=config.stale_after_ms,
         peer_lost_after_s=config.peer_lost_after_s,
+        mirror_safety_poll_s=config.mirror_safety_poll_s,
         reports=list(reports),
         fetched_ms=int(time.time() * 1000),
         configured={

@@ -1,16 +1,34 @@
-"""Connecting to Temporal the same way everywhere (CLI, SDK, worker, dev stack)."""
+"""Connecting to Temporal the same way everywhere (CLI, SDK, worker, dev stack).
+
+A process's Temporal SDK serves its own metrics in the Prometheus text format at
+``http://HOST:PORT/metrics`` when given an address (opt-in, per process): ``iris worker
+--metrics-address HOST:PORT`` (or ``IRIS_TEMPORAL_METRICS=HOST:PORT`` for any process), and ``iris
+dev``'s worker by default. Among them, for a worker: ``temporal_worker_task_slots_used`` and
+``temporal_worker_task_slots_available`` (labels ``task_queue`` and ``worker_type``:
+``WorkflowWorker``, ``ActivityWorker``, ``LocalActivityWorker``), ``temporal_request`` (the client's
+calls to the server, by ``operation``), and Iris's own ``iris_*`` (iris/metrics.py; docs/DESIGN.md,
+"Metrics"), whose histograms get buckets in seconds here. Two processes cannot bind the same port,
+and a process that cannot is refused with a one-line ConfigError. No address: no endpoint, the
+SDK's default runtime. benchmarks/running.py reads the slot gauges this way (docs/BENCHMARKS.md,
+"Running jobs (issue 17)").
+"""
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
 
+from iris import tracing
 from iris.config import ConfigError, FederationConfig, TemporalTLSConfig
+from iris.metrics import HISTOGRAM_BUCKETS
 
 
 def connect_args(config: FederationConfig) -> dict[str, Any]:
@@ -49,6 +67,55 @@ def tls_config(tls: TemporalTLSConfig) -> TLSConfig:
     )
 
 
-async def connect(config: FederationConfig) -> Client:
+METRICS_ENV = "IRIS_TEMPORAL_METRICS"
+
+
+@functools.cache
+def _prometheus_runtime(bind_address: str) -> Runtime:
+    # One runtime per address and process: the exporter binds its port once, every client shares it.
+    # The SDK exporter's defaults otherwise (iris/metrics.py says what they make of the names).
+    buckets = {name: list(bounds) for name, bounds in HISTOGRAM_BUCKETS.items()}
+    return Runtime(
+        telemetry=TelemetryConfig(
+            metrics=PrometheusConfig(bind_address=bind_address, histogram_bucket_overrides=buckets)
+        )
+    )
+
+
+def metrics_address(explicit: str | None = None) -> str | None:
+    """The address to serve the SDK's metrics at: ``explicit`` if given, else
+    ``$IRIS_TEMPORAL_METRICS``; None when both are unset or empty."""
+    address = (explicit if explicit is not None else os.environ.get(METRICS_ENV, "")).strip()
+    return address or None
+
+
+def metrics_runtime(address: str | None = None) -> Runtime | None:
+    """The SDK runtime serving Prometheus metrics at ``address`` (default ``$IRIS_TEMPORAL_METRICS``,
+    see the module docstring), or None when there is none. ConfigError (one line) for an address
+    that is not ``HOST:PORT`` or cannot be bound."""
+    where = metrics_address(address)
+    if where is None:
+        return None
+    try:
+        return _prometheus_runtime(where)
+    except ValueError as exc:
+        named = f"metrics address {where}" if address else f"{METRICS_ENV}={where}"
+        raise ConfigError(f"{named}: {exc}") from None
+
+
+async def connect(
+    config: FederationConfig, *, metrics: str | None = None, service: str = tracing.CLIENT_SERVICE
+) -> Client:
+    """A client of the config's Temporal; with ``metrics`` (``HOST:PORT``, else
+    ``$IRIS_TEMPORAL_METRICS``) its runtime serves the SDK's Prometheus metrics there, and so does
+    every worker built on the client. If tracing is on (iris/tracing.py), the client and its
+    workers trace, and ``service`` names this process in the traces (its first connect decides)."""
     args = connect_args(config)
+    runtime = metrics_runtime(metrics)
+    if runtime is not None:
+        args["runtime"] = runtime
+    tracing.configure(config, service)
+    interceptors = tracing.client_interceptors()
+    if interceptors:
+        args["interceptors"] = interceptors
     return await Client.connect(args.pop("target_host"), data_converter=pydantic_data_converter, **args)

@@ -38,9 +38,10 @@ from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 from cli.ops import DeterminismReport, replay_histories  # noqa: E402
 from iris import contract  # noqa: E402
 from iris.client import build_spec  # noqa: E402
-from iris.contract import JOB_WORKFLOW  # noqa: E402
+from iris.contract import JOB_WORKFLOW, peer_watch_workflow_id  # noqa: E402
 from iris.jobs import CancelRequest, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
 from iris.policy.models import DeviceRequest  # noqa: E402
+from iris.policy.reasons import ReasonCode  # noqa: E402
 from iris.userauth import Action  # noqa: E402
 
 OUT_DIR = ROOT / "tests" / "determinism" / "histories"
@@ -109,6 +110,13 @@ async def queued_handed_off(stack: Stack) -> str:
         artifacts=["s3://cw-rno2a-artifacts/hist/shard-0"],
         **H100,
     )
+    await _state(stack, job_id, JobState.SUCCEEDED)
+    return job_id
+
+
+async def followed_by_watcher(stack: Stack) -> str:
+    """FEED_PATCH: a job running on a peer, followed through the peer's watcher (no poller)."""
+    job_id = await _submit(stack, "followed-by-watcher", ["sleep", "3"], target_cluster="cw-us-east-02a")
     await _state(stack, job_id, JobState.SUCCEEDED)
     return job_id
 
@@ -323,6 +331,61 @@ async def earlier_attempt_succeeded(stack: Stack) -> str:
     return job_id
 
 
+async def _code(stack: Stack, job_id: str, code: ReasonCode, within: float = 60.0) -> JobStatus:
+    deadline = time.monotonic() + within
+    while True:
+        status = await stack.iris.describe(job_id)
+        if status.reason_code is code:
+            return status
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{job_id} shows {status.reason_code}, not {code}: {status.reason}")
+        await asyncio.sleep(0.2)
+
+
+async def explained_then_cancelled(stack: Stack) -> str:
+    """REASON_PATCH: the tick explains why the job waits, with its code (explain_reason; IrisReason
+    NoCapacity: 24 chips fit on no backend), then the owner's cancel ends it (Cancelled)."""
+    job_id = await _submit(stack, "explained-cancelled", ["true"], replicas=3, **H100)
+    await _code(stack, job_id, ReasonCode.NoCapacity)
+    await stack.iris.cancel(job_id)
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def explained_then_run(stack: Stack) -> str:
+    """REASON_PATCH: a job pinned to a peer that does not answer waits as PeerUnreachable; the peer
+    comes back, and the job runs there (Pending, Running, Succeeded)."""
+    proxy = stack.proxies["cw-rno2a"]
+    proxy.refuse()
+    try:
+        job_id = await _submit(stack, "explained-run", ["echo", "back"], target_cluster="cw-rno2a")
+        await _code(stack, job_id, ReasonCode.PeerUnreachable)
+    finally:
+        await proxy.heal()
+    await _state(stack, job_id, JobState.SUCCEEDED, within=120)
+    return job_id
+
+
+async def preempted_requeued(stack: Stack) -> str:
+    """PREEMPT_PATCH: a batch job holding cw-rno2a's 8 chips is preempted by an interactive job
+    placed there by reclaim; it is queued again (code Preempted), and its second attempt succeeds."""
+    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "preempted-once"
+    job_id = await _submit(
+        stack,
+        "preempted",
+        ["sh", "-c", f"test -e {marker} && exit 0; touch {marker}; sleep 120"],
+        priority="batch",
+        target_cluster="cw-rno2a",
+        **H100,
+    )
+    await _state(stack, job_id, JobState.RUNNING)
+    urgent = await _submit(stack, "preempting", ["sleep", "2"], target_cluster="cw-rno2a", **H100)
+    status = await _state(stack, job_id, JobState.SUCCEEDED, within=180)
+    assert [a.end for a in status.attempts] == ["PREEMPTED", "SUCCEEDED"], status.attempts
+    assert (status.attempts[0].preempted or "").startswith(f"preempted by {urgent} at "), status.attempts
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -354,8 +417,13 @@ SCENARIOS = [
     Scenario("earlier_attempt_succeeded", earlier_attempt_succeeded, alone=True),
     Scenario("unsigned_cancel_ignored", unsigned_cancel_ignored),
     Scenario("unsigned_submission_rejected", unsigned_submission_rejected),
+    Scenario("followed_by_watcher", followed_by_watcher),
+    Scenario("explained_then_cancelled", explained_then_cancelled),
+    Scenario("explained_then_run", explained_then_run, alone=True),
+    Scenario("preempted_requeued", preempted_requeued, alone=True),
 ]
 MANAGER = "placement_manager"
+WATCHER = "peer_watch"
 
 
 async def _save(stack: Stack, workflow_id: str, out: Path) -> None:
@@ -391,6 +459,12 @@ async def record(names: set[str] | None, out_dir: Path) -> list[Path]:
             await _save(stack, manager_id, path)
             written.append(path)
             print(f"  {MANAGER:<36} {manager_id}", flush=True)
+        if names is None or WATCHER in names:
+            watcher_id = peer_watch_workflow_id(stack.config.temporal.task_queue, "cw-us-east-02a")
+            path = out_dir / f"{WATCHER}.json"
+            await _save(stack, watcher_id, path)
+            written.append(path)
+            print(f"  {WATCHER:<36} {watcher_id}", flush=True)
     finally:
         await runner.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -401,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    names = [s.name for s in SCENARIOS] + [MANAGER]
+    names = [s.name for s in SCENARIOS] + [MANAGER, WATCHER]
     parser.add_argument("--only", nargs="+", choices=names, help="record only these scenarios")
     parser.add_argument("--out", type=Path, default=OUT_DIR, help=f"output directory (default {OUT_DIR})")
     args = parser.parse_args(argv)

@@ -3,7 +3,9 @@
 Forwards every request to the controller unchanged, except that it can refuse the next N
 launches with 503 UNAVAILABLE — a peer outage at the exact moment of handoff, which timing alone
 cannot produce reliably —, lose the reply to a request the controller has acted on, or go down
-right after a given request. The controller behind it stays the real one and counts its own launches.
+right after a given request, or answer a request late (``delays``: a slow controller, whose
+tardiness makes the other clusters' reports of the same poll older by as much). The controller
+behind it stays the real one and counts its own launches.
 
 Faults at the connection level, as a dead host or a broken network shows them (no HTTP answer at
 all): ``cut(...)`` lets the next matching request reach the controller (or not), then closes the
@@ -44,6 +46,8 @@ class FaultProxy:
         self.lost_replies = 0
         # After the first reply to a request matching this "METHOD /path-prefix", go down.
         self.down_after: str | None = None
+        # "METHOD /path-prefix" -> seconds every matching request waits before it is forwarded.
+        self.delays: dict[str, float] = {}
         # The next request matching this (``cut``) has its connection closed without a reply
         # (after reaching the controller if ``_cut_forwards``), then every connection is refused
         # until ``heal()``.
@@ -160,6 +164,9 @@ class FaultProxy:
             return
         if is_launch:
             self.forwarded_launches += 1
+        delay = next((d for k, d in self.delays.items() if request_line.startswith(k)), 0.0)
+        if delay > 0:
+            await asyncio.sleep(delay)
         lose = next((k for k, n in self.lose_replies.items() if n > 0 and request_line.startswith(k)), None)
         try:
             resp = await self._forward(scope, body)

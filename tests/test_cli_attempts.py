@@ -9,24 +9,25 @@ and a refused one must not.
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
-import os
-import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from cli_main import iris
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from cli import app as cli_app
 from cli import common
 from iris.client import AsyncIrisClient, InvalidJob, build_spec
 from iris.config import load_config
 from iris.jobs import MAX_RETRIES, MAX_TIMEOUT_S, AttemptView, JobSpec, JobState, JobStatus, ReplayRequest
 from iris.logrelay import RelayedChunk
+from iris.userauth import ensure_user_key, user_key_path
 
 JOB = "alice/retried"
 NOW_MS = 1_796_000_000_000
@@ -35,29 +36,6 @@ REFUSAL = (
     "since; another cluster could run it twice. Wait until it answers (replay to it is safe), or replay "
     "with --force"
 )
-
-
-class Exited(Exception):
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-def iris(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
-) -> tuple[int, str, str]:
-    """``iris ARGS`` as ``main()`` runs it: its exit code (``os._exit`` is caught), stdout, stderr."""
-
-    def exit_(code: int) -> None:
-        raise Exited(code)
-
-    monkeypatch.setattr(sys, "argv", ["iris", *args])
-    monkeypatch.setattr(os, "_exit", exit_)
-    capsys.readouterr()
-    with pytest.raises(Exited) as exited:
-        cli_app.main()
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
 
 
 class Recorder:
@@ -284,7 +262,12 @@ class LogsClient(AsyncIrisClient):
         super().__init__(cast(Client, None), load_config())
         self.statuses = statuses
         self.relay_reads: list[tuple[str, int]] = []
+        self.wanted: list[str] = []
         self._fake_logs = logs
+
+    async def _want_logs(self, job_id: str) -> None:
+        # The real one signals the workflow (want_logs): recorded here.
+        self.wanted.append(job_id)
 
     async def describe(self, job_id: str) -> JobStatus:
         # One status per call until the last, which stays.
@@ -384,6 +367,8 @@ async def test_following_a_retried_job_goes_on_into_its_next_attempt() -> None:
     client = LogsClient(list(script), LOGS)
     got = [data async for data in client.follow_logs(JOB, poll_interval_s=0)]
     assert got == ["first try\n", "oops\n", "second try\n"]
+    # Following asked the workflow to relay the running attempt's log (once: within a minute).
+    assert client.wanted == [JOB]
 
     # One attempt only, when named: it ends with that attempt.
     client = LogsClient([first_failed], LOGS)
@@ -459,7 +444,12 @@ class UpdateHandle:
         return f"replay accepted: {arg.describe()}"
 
 
-async def test_the_sdk_passes_force_and_says_the_validators_refusal_as_its_own_words() -> None:
+async def test_the_sdk_passes_force_and_says_the_validators_refusal_as_its_own_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The replay is signed with the OS user's key: one of its own, not whatever the machine has.
+    monkeypatch.setenv("IRIS_USER_KEY_DIR", str(tmp_path))
+    ensure_user_key(user_key_path(getpass.getuser()))
     handle = UpdateHandle()
     temporal = SimpleNamespace(get_workflow_handle_for=lambda run, workflow_id: handle)
     client = AsyncIrisClient(cast(Client, temporal), load_config())

@@ -23,6 +23,7 @@ PRODUCT = ("iris", "workflows", "activities", "worker", "cli")
 # A string that happens to equal a contract name but means something else.
 NOT_TEMPORAL = {
     ("cli/job.py", "cancel"),  # the `iris job cancel` command's name
+    ("iris/controller/metrics.py", "status"),  # the HTTP status label of the request counter
 }
 
 
@@ -38,13 +39,18 @@ def test_workflows_declare_themselves_under_the_contracts_names() -> None:
     messages = {
         _definition(JobWorkflow.place, "signal"),
         _definition(JobWorkflow.explain, "signal"),
+        _definition(JobWorkflow.explain_reason, "signal"),
         _definition(JobWorkflow.expire, "signal"),
         _definition(JobWorkflow.cancel, "signal"),
         _definition(JobWorkflow.cancel_job, "update"),
         _definition(JobWorkflow.replay_handoff, "update"),
         _definition(JobWorkflow.status, "query"),
+        _definition(JobWorkflow.observe, "signal"),
+        _definition(JobWorkflow.want_logs, "signal"),
         _definition(PlacementManager.wake, "signal"),
         _definition(PlacementManager.last_tick, "query"),
+        _definition(PlacementManager.queue_positions, "update"),
+        _definition(PlacementManager.dry_run, "update"),
     }
     assert messages == set(contract.MESSAGE_NAMES)
 

@@ -14,11 +14,14 @@ from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactActivities
 from activities.auth import AuthActivities
+from activities.inquiry import InquiryActivities
 from activities.peers import PeerActivities
 from activities.placement import PlacementActivities
 from activities.store import StoreActivities
+from activities.watch import WatchActivities
+from iris import tracing
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
-from iris.contract import PLACEMENT_MANAGER, manager_workflow_id, placement_task_queue
+from iris.contract import PLACEMENT_MANAGER, manager_workflow_id, peer_watch_workflow_id, placement_task_queue
 from iris.logrelay import LogRelay
 from iris.store import FederationStore
 from iris.temporal import connect
@@ -26,11 +29,14 @@ from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
 from workflows.runner import workflow_runner
+from workflows.watch import PeerWatch, WatcherInput
 
 log = logging.getLogger("iris.worker")
 
+# Workflows kept in memory between their tasks (the SDK's default is 1,000); ~0.3 MiB each.
+MAX_CACHED_WORKFLOWS = 4096
 # Every workflow this worker runs; the determinism check replays histories against the same list.
-WORKFLOWS = (JobWorkflow, PlacementManager, ListPeersWorkflow)
+WORKFLOWS = (JobWorkflow, PlacementManager, ListPeersWorkflow, PeerWatch)
 
 
 class FederationWorker:
@@ -78,6 +84,10 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)
     auth = AuthActivities(config)
+    watch = WatchActivities(config)
+    # The manager's inquiries run as local activities on its worker; a manager still on this queue
+    # (started by an older version) runs them here.
+    inquiry = InquiryActivities(config, store)
     return [
         auth.verify_request,
         peers.fetch_reports,
@@ -96,6 +106,9 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
         queue.record_fence,
         placement.placement_tick,
         artifacts.check_artifacts,
+        watch.watch_peer,
+        inquiry.read_queue_positions,
+        inquiry.plan_dry_run,
     ]
 
 
@@ -106,37 +119,54 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         workflows=list(WORKFLOWS),
         activities=job_activities(config, store),
         max_concurrent_activities=200,
+        # Every running job is a workflow a signal may wake at any time: one evicted from the cache
+        # is replayed from its whole history first (docs/BENCHMARKS.md, "Running jobs"), so the
+        # cache holds as many as one worker is meant to hold running.
+        max_cached_workflows=MAX_CACHED_WORKFLOWS,
         workflow_runner=workflow_runner(),
+        # Temporal's tracing interceptor when tracing is on and the client has none (docs/DESIGN.md,
+        # "Tracing").
+        interceptors=tracing.worker_interceptors(client),
     )
+    inquiry = InquiryActivities(config, store)
     ticks = Worker(
         client,
         task_queue=placement_task_queue(config.temporal.task_queue),
         workflows=[PlacementManager],
-        activities=[PlacementActivities(config, store).placement_tick],
+        activities=[
+            PlacementActivities(config, store).placement_tick,
+            inquiry.read_queue_positions,
+            inquiry.plan_dry_run,
+        ],
         max_concurrent_activities=4,
         workflow_runner=workflow_runner(),
+        interceptors=tracing.worker_interceptors(client),
     )
     return FederationWorker(jobs, ticks)
 
 
 async def ensure_manager(client: Client, config: FederationConfig) -> None:
-    """Start the placement manager unless it already runs (one per namespace).
+    """Start the placement manager unless it already runs (one per namespace), and each cluster's
+    watcher (``ensure_watchers``).
 
     Another workflow type holding the manager's id (a raw Temporal start past the SDK's job-name
     check) is terminated and the manager started in its place: USE_EXISTING alone would take the
     impostor for the manager, and no job would ever be placed.
     """
     for _ in range(2):
-        handle = await client.start_workflow(
-            PlacementManager.run,
-            ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
-            id=manager_workflow_id(config.temporal.task_queue),
-            task_queue=placement_task_queue(config.temporal.task_queue),
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary="Placement tick: queued jobs × peer capacity",
-        )
+        # Untraced: a trace of the manager would never end (docs/DESIGN.md, "Tracing").
+        with tracing.untraced():
+            handle = await client.start_workflow(
+                PlacementManager.run,
+                ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
+                id=manager_workflow_id(config.temporal.task_queue),
+                task_queue=placement_task_queue(config.temporal.task_queue),
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                static_summary="Placement tick: queued jobs × peer capacity",
+            )
         desc = await handle.describe()
         if desc.workflow_type == PLACEMENT_MANAGER:
+            await ensure_watchers(client, config)
             return
         log.warning(
             "workflow %s (%s) holds the placement manager's id: terminating it", handle.id, desc.workflow_type
@@ -147,8 +177,32 @@ async def ensure_manager(client: Client, config: FederationConfig) -> None:
     )
 
 
-async def run_worker(config: FederationConfig, data_dir: Path = DEFAULT_DATA_DIR) -> None:
-    client = await connect(config)
+async def ensure_watchers(client: Client, config: FederationConfig) -> None:
+    """Start one watcher per cluster unless it runs (docs/DESIGN.md, "Mirroring"); none when
+    ``mirror_safety_poll_s`` is 0 (every running job then polls its cluster itself)."""
+    if config.mirror_safety_poll_s <= 0:
+        return
+    queue = config.temporal.task_queue
+    for cluster in config.clusters:
+        # Untraced, like the manager: a watcher runs for ever (docs/DESIGN.md, "Tracing").
+        with tracing.untraced():
+            await client.start_workflow(
+                PeerWatch.run,
+                WatcherInput(cluster=cluster.name),
+                id=peer_watch_workflow_id(queue, cluster.name),
+                task_queue=queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                static_summary=f"Watcher of {cluster.name}: its change feed → the jobs' workflows",
+            )
+
+
+async def run_worker(
+    config: FederationConfig, data_dir: Path = DEFAULT_DATA_DIR, *, metrics_address: str | None = None
+) -> None:
+    """Serve the federation until cancelled; with ``metrics_address`` (``HOST:PORT``, else
+    ``$IRIS_TEMPORAL_METRICS``) the SDK's and Iris's worker metrics are served there for Prometheus
+    (docs/DESIGN.md, "Metrics")."""
+    client = await connect(config, metrics=metrics_address, service=tracing.WORKER_SERVICE)
     data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start
     store = FederationStore(store_url(config, data_dir))
     try:

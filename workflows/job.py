@@ -49,7 +49,8 @@ with workflow.unsafe.imports_passed_through():
         PromoteInput,
         StoreActivities,
     )
-    from iris import contract
+    from activities.watch import Observation
+    from iris import contract, metrics
     from iris.bundle import BundleRef
     from iris.controller.models import ControllerJobState, LaunchRequest
     from iris.controller.models import JobStatus as ControllerJobStatus
@@ -64,11 +65,14 @@ with workflow.unsafe.imports_passed_through():
         JobStatus,
         ReplayRequest,
         TaskView,
+        WaitReason,
         attempt_end,
         attempt_nonce,
+        end_code,
         handle_end,
         log_key,
         mirrored_state,
+        state_code,
     )
     from iris.policy import (
         CANCELLED_BEFORE_HANDOFF,
@@ -79,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
         queued_for_peer_reason,
     )
     from iris.policy.models import Band, Classification, Disposition, Placement
+    from iris.policy.reasons import ReasonCode
     from iris.reports import FederationView
     from iris.store.models import HandleState, JobHandle, PromoteOutcome
     from iris.userauth import Action, Principal, request_digest
@@ -142,6 +147,23 @@ EARLIER_ATTEMPT_PATCH = "earlier-attempt-v1"
 AUTH_PATCH = "authenticated-submitters-v1"
 # Until it answers: the answer is the verdict (a refusal is final, never retried), and an outage of
 # the check must not refuse a valid job.
+# Runs with this patch, while their cluster's watcher signals its changes (the view's
+# mirror_safety_poll_s > 0), follow a running attempt by those signals, asking the cluster
+# themselves only every mirror_safety_poll_s (the safety poll), after a notice that it is silent,
+# and while a reader wants the log relayed (docs/DESIGN.md, "Mirroring"). No activity is held per
+# running job.
+FEED_PATCH = "change-feed-v1"
+# Runs with this patch upsert the IrisReason search attribute (the stable code of the job's reason,
+# docs/DESIGN.md, "Reason codes") whenever the code changes. Asked at the top of every run, before
+# the run's first reason is set, so that every reason of the run is upserted or not alike.
+REASON_PATCH = "reason-code-v1"
+# Runs with this patch tell an attempt its cluster preempted for a higher band (PREEMPTED,
+# docs/DESIGN.md, "Preemption") from one it lost: the job is queued again with the code Preempted
+# and the cluster's "preempted by <job id> at <time>" in its reason, its attempt records that, ends
+# Preempted when no retry is left, and a later attempt on that cluster does not ask after it. A run
+# that predates the patch treats it as a lost attempt (PeerLost). Asked in the first task of every
+# run, as FEED_PATCH.
+PREEMPT_PATCH = "preemption-v1"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
@@ -180,12 +202,15 @@ class _Ended(Exception):
 
 
 class _Parked(Exception):
-    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason
+    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason and code
     (``resumed``: it was parked already, in the run that continued as new)."""
 
-    def __init__(self, reason: str, *, resumed: bool = False) -> None:
+    def __init__(
+        self, reason: str, *, code: ReasonCode = ReasonCode.HandoffFailed, resumed: bool = False
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.code = code
         self.resumed = resumed
 
 
@@ -226,6 +251,10 @@ class Carry(BaseModel):
     sa_state: str | None = None
     memo_reason: str | None = None
     explanation: str | None = None
+    # The code of ``explanation`` (REASON_PATCH's tick sends it), and when the job entered the
+    # queue (for iris_queue_wait_seconds); None in a carry that predates them.
+    explanation_code: ReasonCode | None = None
+    queued_since_ms: int | None = None
     attempt: int = 1
     failures_retried: int = 0
     preemptions_retried: int = 0
@@ -235,6 +264,11 @@ class Carry(BaseModel):
     runs: int = 1
     # The submitter as verified (AUTH_PATCH), None for a run that predates it.
     principal: str | None = None
+    # A watcher's observation not yet acted on, and how long a reader wants the log relayed
+    # (FEED_PATCH).
+    observed: Observation | None = None
+    seen_version: tuple[str, int] | None = None
+    logs_until_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +277,8 @@ class _Retry:
 
     end: AttemptEnd
     reason: str
+    # The cluster's "preempted by <job id> at <time>" when it preempted the attempt (PREEMPT_PATCH).
+    preempted: str | None = None
 
 
 @dataclasses.dataclass
@@ -256,8 +292,12 @@ class _Job:
     cancel: CancelRequest | None = None
     expire: bool = False
     replay: ReplayRequest | None = None
-    # The tick's latest pending reason (it may arrive before the enqueue's answer).
+    # The tick's latest pending reason (it may arrive before the enqueue's answer), and its code.
     explanation: str | None = None
+    explanation_code: ReasonCode | None = None
+    # When the job last entered the federation queue (workflow time, ms): a won promotion records
+    # the wait since (iris_queue_wait_seconds).
+    queued_since_ms: int | None = None
     # The job's handle is in the federation queue (store): its transitions must be recorded.
     queued: bool = False
     # Set in the workflow task that schedules the launch: from then on the job may be on a
@@ -270,7 +310,10 @@ class _Job:
     local_steps: bool = False
     # What the visibility store and the memo hold, so an unchanged value is not written again.
     sa_state: str | None = None
+    sa_reason: str | None = None
     memo_reason: str | None = None
+    # Whether this run upserts IrisReason (REASON_PATCH).
+    reasons: bool = False
     # Shielded writes a Temporal cancel must let land before it is recorded against them.
     enqueue_op: workflow.ActivityHandle[JobHandle] | None = None
     launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
@@ -294,6 +337,16 @@ class _Job:
     # Cancels whose signature is being checked: a handoff waits for their verdict, so a cancel
     # that arrived before it is honoured as if recorded at once.
     verifying: int = 0
+    # From the cluster's watcher (FEED_PATCH): its latest observation of the attempt not yet acted
+    # on, and the feed version of the newest status it sent (an older one arriving late is dropped).
+    observed: Observation | None = None
+    seen_version: tuple[str, int] | None = None
+    # A reader of the log wants it relayed every second until then (ms since the epoch).
+    logs_until_ms: int = 0
+    # Whether this run follows attempts by its cluster's watcher (FEED_PATCH).
+    feed: bool = False
+    # Whether this run tells a preempted attempt from a lost one (PREEMPT_PATCH).
+    preemption: bool = False
 
     @property
     def incarnation(self) -> str:
@@ -324,6 +377,7 @@ class JobWorkflow:
             job_id=spec.job_id,
             state=JobState.CLASSIFYING,
             reason="Classifying against the federation's capacity reports",
+            reason_code=ReasonCode.Pending,
             submit_ms=spec.submit_ms,
             updated_ms=spec.submit_ms,
             spec=spec,
@@ -334,6 +388,8 @@ class JobWorkflow:
                 spec=spec,
                 status=carry.status,
                 explanation=carry.explanation,
+                explanation_code=carry.explanation_code,
+                queued_since_ms=carry.queued_since_ms,
                 queued=carry.queued,
                 delivered=carry.phase is not Phase.QUEUED or carry.status.handoff_attempts > 0,
                 pin=carry.pin,
@@ -351,6 +407,9 @@ class JobWorkflow:
                 runs=carry.runs + 1,
                 view=carry.view,
                 principal=carry.principal,
+                observed=carry.observed,
+                seen_version=carry.seen_version,
+                logs_until_ms=carry.logs_until_ms,
             )
 
     # ---- messages -------------------------------------------------------------------------
@@ -368,15 +427,52 @@ class JobWorkflow:
 
     @workflow.signal(name=contract.EXPLAIN)
     def explain(self, reason: str) -> None:
-        """From the placement tick: why the job is still queued (the pending reason)."""
-        self._job.explanation = reason
-        if self._job.status.state is JobState.QUEUED_HANDOFF:
-            self._set(JobState.QUEUED_HANDOFF, reason, record=False)
+        """From a placement tick that predates reason codes: why the job is still queued. Kept for
+        the runs whose history holds one (they replay through it); the code stays as it was."""
+        self._explained(reason, None)
+
+    @workflow.signal(name=contract.EXPLAIN_REASON)
+    def explain_reason(self, why: WaitReason) -> None:
+        """From the placement tick: why the job is still queued (the pending reason) and its code."""
+        self._explained(why.reason, why.code)
+
+    def _explained(self, reason: str, code: ReasonCode | None) -> None:
+        job = self._job
+        job.explanation = reason
+        if code is not None:
+            job.explanation_code = code
+        if job.status.state is JobState.QUEUED_HANDOFF:
+            self._set(JobState.QUEUED_HANDOFF, reason, code=job.explanation_code, record=False)
 
     @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:
         """From the placement tick: the scheduling deadline passed."""
         self._job.expire = True
+
+    @workflow.signal(name=contract.OBSERVE)
+    def observe(self, seen: Observation) -> None:
+        """From the watcher of a cluster (docs/DESIGN.md, "Mirroring"): the attempt's status there
+        now, or that the cluster has gone silent. Kept for the attempt being followed; one about
+        another cluster or attempt, or older than a status already seen, is dropped."""
+        job = self._job
+        if seen.cluster != job.status.cluster:
+            return
+        status = seen.status
+        if status is not None:
+            if status.nonce != job.nonce:
+                return
+            last = job.seen_version
+            if last is not None and status.epoch == last[0] and status.version <= last[1]:
+                return
+            job.seen_version = (status.epoch, status.version)
+        job.observed = seen
+
+    @workflow.signal(name=contract.WANT_LOGS)
+    def want_logs(self, until_ms: int) -> None:
+        """From a reader of the job's log (``iris job logs -f``): relay it every second until
+        ``until_ms``, at most 10 minutes ahead (docs/DESIGN.md, "Logs")."""
+        job = self._job
+        job.logs_until_ms = max(job.logs_until_ms, min(int(until_ms), self._now_ms() + 600_000))
 
     @workflow.signal(name=contract.CANCEL)
     async def cancel(self, request: CancelRequest) -> None:
@@ -518,12 +614,23 @@ class JobWorkflow:
         st.events.append(JobEvent(at_ms=self._now_ms(), state=state, message=message))
         st.updated_ms = self._now_ms()
 
-    def _set(self, state: JobState, reason: str, *, cluster: str | None = None, record: bool = True) -> None:
+    def _set(
+        self,
+        state: JobState,
+        reason: str,
+        *,
+        code: ReasonCode | None = None,
+        cluster: str | None = None,
+        record: bool = True,
+    ) -> None:
+        """Show the job in ``state`` for ``reason``, with ``code`` (by default the state's own,
+        iris/jobs.py state_code) beside it."""
         job = self._job
         st = job.status
         changed = state != st.state or reason != st.reason
         st.state = state
         st.reason = reason
+        st.reason_code = code or state_code(state)
         st.updated_ms = self._now_ms()
         new_peer = cluster if cluster is not None and cluster != st.cluster else None
         if new_peer is not None:
@@ -547,6 +654,10 @@ class JobWorkflow:
             job.sa_state = state.value
         if new_peer is not None:
             updates.append(contract.SA_PEER.value_set(new_peer))
+        code = job.status.reason_code
+        if job.reasons and code is not None and code.value != job.sa_reason:
+            updates.append(contract.SA_REASON.value_set(code.value))
+            job.sa_reason = code.value
         if updates:
             workflow.upsert_search_attributes(updates)
 
@@ -594,13 +705,13 @@ class JobWorkflow:
         if self._job.queued and end is not None:
             await self._handle_state(end, reason)
 
-    async def _end(self, state: JobState, reason: str) -> None:
-        self._set(state, reason)
+    async def _end(self, state: JobState, reason: str, code: ReasonCode | None = None) -> None:
+        self._set(state, reason, code=code)
         await self._record_end(reason)
 
-    async def _finish(self, state: JobState, reason: str) -> NoReturn:
+    async def _finish(self, state: JobState, reason: str, code: ReasonCode | None = None) -> NoReturn:
         """The job ends here: ``run`` returns its status."""
-        await self._end(state, reason)
+        await self._end(state, reason, code)
         raise _Ended
 
     # ---- the lifecycle --------------------------------------------------------------------
@@ -616,6 +727,12 @@ class JobWorkflow:
                 non_retryable=True,
             )
         job = self._job
+        # First, so that every reason this run sets is upserted alike (see REASON_PATCH). The
+        # visibility store holds what the client set at start, or what the run that continued
+        # as new last upserted.
+        job.reasons = workflow.patched(REASON_PATCH)
+        if job.reasons:
+            job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
         if carry is None:
             job.local_steps = workflow.patched(LOCAL_STEPS_PATCH)
             if job.local_steps:
@@ -630,6 +747,10 @@ class JobWorkflow:
             job.numbered = workflow.patched(ATTEMPTS_PATCH)
         # In the first task of every run, as the patches above (memoized for the handlers).
         authenticating = self._authenticating()
+        # Likewise in the first task, not where a running attempt is first followed: asked there,
+        # its marker could land in a task that also completes a slow local activity (see above).
+        job.feed = workflow.patched(FEED_PATCH)
+        job.preemption = workflow.patched(PREEMPT_PATCH)
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -682,7 +803,9 @@ class JobWorkflow:
                 Action.SUBMIT, job.spec.signature, job.spec, int(started.timestamp() * 1000)
             )
         except ApplicationError as exc:
-            await self._finish(JobState.REJECTED, f"submission refused: {exc.message}")
+            await self._finish(
+                JobState.REJECTED, f"submission refused: {exc.message}", ReasonCode.SubmissionRefused
+            )
         job.principal = principal.name
         self._event(JobState.CLASSIFYING, f"submitted by {principal.name} (signature verified)")
 
@@ -758,12 +881,18 @@ class JobWorkflow:
             lost_after_s=job.lost_after_s,
             runs=job.runs,
             principal=job.principal,
+            observed=job.observed,
+            seen_version=job.seen_version,
+            logs_until_ms=job.logs_until_ms,
         )
         workflow.continue_as_new(args=[job.spec, carry])
 
     async def _classify(self) -> tuple[FederationView, Classification]:
         """CLASSIFYING: home now, the queue, or rejected (docs/DESIGN.md, "Classification")."""
         job = self._job
+        workflow.metric_meter().create_counter(
+            metrics.JOBS_SUBMITTED, "Jobs whose workflow began classifying them"
+        ).add(1, self._metric_labels())
         # A regular activity, not a local one: the first workflow task must not hold local
         # activities, since an Update (a cancel right after submit) accepted in that task can then
         # be answered with a protocol message the server rejects for ever
@@ -796,7 +925,7 @@ class JobWorkflow:
         await self._enqueue()
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON)
         if job.explanation is not None:
-            self._set(JobState.QUEUED_HANDOFF, job.explanation, record=False)
+            self._set(JobState.QUEUED_HANDOFF, job.explanation, code=job.explanation_code, record=False)
         return await self._await_promotion()
 
     async def _reserve_home(self, placement: Placement) -> Placement:
@@ -809,11 +938,16 @@ class JobWorkflow:
         promoted = await self._promote(placement)
         if promoted is not None:
             job.placement = None  # a tick's offer that raced the promotion is moot
+            job.queued_since_ms = None  # run at home at once: it never waited in the queue
             return promoted
         job.status.disposition = Disposition.QUEUE.value
-        self._set(JobState.QUEUED_HANDOFF, f"{QUEUED_REASON} (home filled up since the reports were read)")
+        self._set(
+            JobState.QUEUED_HANDOFF,
+            f"{QUEUED_REASON} (home filled up since the reports were read)",
+            code=ReasonCode.NoCapacity,
+        )
         if job.explanation is not None:
-            self._set(JobState.QUEUED_HANDOFF, job.explanation, record=False)
+            self._set(JobState.QUEUED_HANDOFF, job.explanation, code=job.explanation_code, record=False)
         return await self._await_promotion()
 
     async def _enqueue(self) -> None:
@@ -821,6 +955,7 @@ class JobWorkflow:
         # Set first: if a Temporal cancel interrupts this await after the insert committed, the
         # cancel path must still record the handle's end, or the queue keeps a zombie.
         job.queued = True
+        job.queued_since_ms = self._now_ms()
         # Shielded: a Temporal cancel must not abandon the insert half-way; the cancel path waits
         # for it and then records the cancel against the handle it wrote.
         shape = job.spec.shape().model_copy(update={"target_cluster": job.pin})
@@ -846,6 +981,7 @@ class JobWorkflow:
             placement = await self._wait_for_placement()
             promoted = await self._promote(placement)
             if promoted is not None:
+                self._queue_waited()
                 return promoted
 
     async def _wait_for_placement(self) -> Placement:
@@ -876,6 +1012,22 @@ class JobWorkflow:
         assert placement is not None
         return placement
 
+    def _metric_labels(self) -> dict[str, str]:
+        spec = self._job.spec
+        return {"band": spec.band.label, "device": spec.metric_device}
+
+    def _queue_waited(self) -> None:
+        """A won promotion: the time since the job entered the queue, to iris_queue_wait_seconds.
+        Metrics add no command, and none is recorded while a history replays."""
+        job = self._job
+        if job.queued_since_ms is None:
+            return
+        waited_s = max(0, self._now_ms() - job.queued_since_ms) / 1000
+        job.queued_since_ms = None
+        workflow.metric_meter().create_histogram_float(
+            metrics.QUEUE_WAIT, "From entering the federation queue to a won promotion", "s"
+        ).record(waited_s, self._metric_labels())
+
     async def _promote(self, placement: Placement) -> Placement | None:
         """The promotion CAS (docs/DESIGN.md, "Promotion (the CAS)"): the placement with its backend
         if it won, None if the job waits for another tick; a cancel or expiry that won ends it."""
@@ -905,7 +1057,11 @@ class JobWorkflow:
         ):
             await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
         self._event(job.status.state, f"promotion to {target} refused: {result.message}")
-        self._set(JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", record=False)
+        # Capacity another promotion took first: the job waits for room, as the tick would say.
+        code = ReasonCode.NoCapacity if result.outcome is PromoteOutcome.NO_CAPACITY else ReasonCode.Pending
+        self._set(
+            JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", code=code, record=False
+        )
         return None
 
     async def _cancel_before_handoff(self) -> NoReturn:
@@ -946,7 +1102,7 @@ class JobWorkflow:
                     remote, following = following, None
                 elif parked is not None:
                     reason, parked = parked, None
-                    raise _Parked(reason, resumed=True)
+                    raise _Parked(reason, resumed=True)  # its code is in the carried status
                 else:
                     remote = await self._hand_off(view, cluster, backend)
             except _Adopted as earlier:
@@ -1010,7 +1166,7 @@ class JobWorkflow:
         report = await self._handoff_step(ArtifactActivities.check_artifacts, check, _ARTIFACT_STEP, why)
         if report.missing:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
-            raise _Parked(report.reasons[0] + more)
+            raise _Parked(report.reasons[0] + more, code=ReasonCode.ArtifactMissing)
         if self._job.cancel is not None:
             await self._cancel_before_handoff()
 
@@ -1055,6 +1211,7 @@ class JobWorkflow:
             backend_id=backend,
             bundle=bundle,
             timeout_s=spec.timeout_s,
+            preemptions=job.preemptions_retried,
         )
         try:
             # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
@@ -1082,7 +1239,8 @@ class JobWorkflow:
             job.maybe_on = (cluster, job.nonce)
             raise _Parked(
                 f"{why}: {exc.cause or exc}; the outcome is unknown: {cluster} does not answer, and "
-                f"the job may be running there"
+                f"the job may be running there",
+                code=ReasonCode.PeerUnreachable,
             ) from None
 
     async def _clear_stale(self, cluster: str) -> None:
@@ -1094,6 +1252,8 @@ class JobWorkflow:
         for earlier in list(job.status.attempts):
             if earlier.cluster != cluster or earlier.end != AttemptEnd.PREEMPTED.value:
                 continue
+            if earlier.preempted is not None:
+                continue  # the cluster preempted it: ended there for good, nothing to ask
             if not (job.numbered and workflow.patched(EARLIER_ATTEMPT_PATCH)):
                 await self._terminate(cluster, earlier.nonce)
                 continue
@@ -1139,7 +1299,9 @@ class JobWorkflow:
             )
         )
 
-    def _attempt_ended(self, end: AttemptEnd, reason: str, exit_code: int | None) -> None:
+    def _attempt_ended(
+        self, end: AttemptEnd, reason: str, exit_code: int | None, preempted: str | None = None
+    ) -> None:
         attempts = self._job.status.attempts
         if not attempts:
             return
@@ -1148,6 +1310,8 @@ class JobWorkflow:
         current = next((a for a in reversed(attempts) if a.nonce == nonce), attempts[-1])
         current.end, current.reason, current.exit_code = end.value, reason, exit_code
         current.ended_ms = self._now_ms()
+        if preempted is not None:
+            current.preempted = preempted
 
     async def _find_attempt(self, cluster: str, nonce: str) -> FindResult:
         return await workflow.execute_activity_method(
@@ -1186,7 +1350,7 @@ class JobWorkflow:
         not a guess, says whether the job started there (``_Adopted`` if it did)."""
         job = self._job
         if not parked.resumed:
-            self._set(JobState.HANDOFF_FAILED, parked.reason)
+            self._set(JobState.HANDOFF_FAILED, parked.reason, code=parked.code)
             if job.queued:
                 await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason)
         probe_in = _PROBE_FIRST
@@ -1280,6 +1444,7 @@ class JobWorkflow:
             await self._store_step(
                 StoreActivities.requeue_job, ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation)
             )
+            job.queued_since_ms = self._now_ms()
         else:
             await self._enqueue()
 
@@ -1299,7 +1464,10 @@ class JobWorkflow:
             return None
         job = self._job
         end, reason, last = await self._follow_attempt(cluster, remote)
-        self._attempt_ended(end, reason, last.exit_code if last is not None else None)
+        preempted = None
+        if job.preemption and last is not None and last.state is ControllerJobState.PREEMPTED:
+            preempted = last.error or f"preempted on {cluster}"
+        self._attempt_ended(end, reason, last.exit_code if last is not None else None, preempted)
         retries = {
             AttemptEnd.FAILED: (job.failures_retried, job.spec.max_retries_failure, "--max-retries-failure"),
             AttemptEnd.PREEMPTED: (
@@ -1311,20 +1479,22 @@ class JobWorkflow:
         if retries is not None and job.cancel is None:
             used, budget, flag = retries
             if used < budget:
-                return _Retry(end, reason)
+                return _Retry(end, reason, preempted)
             if budget:
                 reason = f"{reason}; no retries left ({flag} {budget})"
         final = {
             AttemptEnd.SUCCEEDED: JobState.SUCCEEDED,
             AttemptEnd.KILLED: JobState.KILLED,
         }.get(end, JobState.FAILED)
+        code = ReasonCode.Preempted if preempted is not None else end.code
         if end is AttemptEnd.PREEMPTED and job.cancel is not None:
             # Lost while a cancel was on its way (its cluster restarted, say): the job was cancelled.
             final, reason = JobState.KILLED, f"Cancelled: {job.cancel.reason}; the attempt was lost: {reason}"
+            code = ReasonCode.Cancelled
         # Shown only now: an attempt that is retried never shows the job as ended.
         if last is not None:
             self._apply(last)
-        self._set(final, reason)
+        self._set(final, reason, code=code)
         await self._record_end(None)
         return None
 
@@ -1341,6 +1511,7 @@ class JobWorkflow:
         report_s = min(30.0, job.lost_after_s / 4)
         if not remote.terminal:
             self._apply(remote)
+        feed = job.feed and job.view is not None and job.view.mirror_safety_poll_s > 0
         while not remote.terminal:
             if job.cancel is not None and not terminated:
                 terminated = True
@@ -1348,6 +1519,32 @@ class JobWorkflow:
                     await self._fence(cluster, nonce)
                     return AttemptEnd.KILLED, f"Cancelled; {cluster} is silent: the job is fenced there", None
                 continue
+            max_wait_s = _FOLLOW_MAX_WAIT.total_seconds()
+            if feed and not terminated:
+                if silent_since is None:
+                    seen = await self._await_news()
+                    if self._cancel_unsent(terminated):
+                        continue
+                    if seen is not None and seen.status is not None:
+                        remote = seen.status
+                        if remote.terminal:
+                            # Its output is relayed home before the end is shown.
+                            remote = await self._relay_end(cluster, remote)
+                            break
+                        self._apply(remote)
+                        await self._continue_as_new(
+                            Phase.FOLLOWING,
+                            cluster=cluster,
+                            backend=job.status.backend_id or "",
+                            remote=remote,
+                        )
+                        continue
+                    if seen is not None and seen.silent_since_ms is not None:
+                        # Its silence counts from when the watcher first saw it, not from now.
+                        silent_since = min(seen.silent_since_ms, self._now_ms())
+                # A silence notice, the safety poll, or a reader of the log: ask the cluster, at
+                # once (one answer), or relaying the log every second while a reader wants it.
+                max_wait_s = max(0.0, min(max_wait_s, (job.logs_until_ms - self._now_ms()) / 1000))
             handle = workflow.start_activity_method(
                 PeerActivities.follow_job,
                 FollowInput(
@@ -1358,7 +1555,7 @@ class JobWorkflow:
                     log_key=log_key(job.spec.job_id, job.attempt),
                     # Silent already: report again when peer_lost_after is reached, not later.
                     report_unreachable_s=self._report_after(report_s, silent_since),
-                    max_wait_s=_FOLLOW_MAX_WAIT.total_seconds(),
+                    max_wait_s=max_wait_s,
                 ),
                 start_to_close_timeout=_FOLLOW_MAX_WAIT + timedelta(minutes=5),
                 heartbeat_timeout=timedelta(seconds=30),
@@ -1376,7 +1573,9 @@ class JobWorkflow:
                 silent_since = silent_since or now - int(followed.unreachable_s * 1000)
                 silent_s = (now - silent_since) / 1000
                 self._set(
-                    job.status.state, f"{cluster} has not answered for {silent_s:.0f}s: {followed.error}"
+                    job.status.state,
+                    f"{cluster} has not answered for {silent_s:.0f}s: {followed.error}",
+                    code=ReasonCode.PeerUnreachable,
                 )
                 if silent_s >= job.lost_after_s:
                     await self._fence(cluster, nonce)
@@ -1414,10 +1613,11 @@ class JobWorkflow:
         job.attempt += 1
         self._event(job.status.state, f"attempt {job.attempt - 1} ended ({retry.end.value}): {retry.reason}")
         await self._requeue()
-        self._set(
-            JobState.QUEUED_HANDOFF,
-            f"Attempt {job.attempt} queued: attempt {job.attempt - 1} on {cluster} {retry.end.value.lower()}",
-        )
+        queued = f"Attempt {job.attempt} queued: attempt {job.attempt - 1} on {cluster}"
+        if retry.preempted is not None:
+            self._set(JobState.QUEUED_HANDOFF, f"{queued} was {retry.preempted}", code=ReasonCode.Preempted)
+        else:
+            self._set(JobState.QUEUED_HANDOFF, f"{queued} {retry.end.value.lower()}")
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 
@@ -1432,7 +1632,12 @@ class JobWorkflow:
             TaskView(index=t.index, state=t.state.value, exit_code=t.exit_code, slots=t.slots)
             for t in remote.tasks
         ]
-        self._set(*self._shown(remote, st.cluster or ""))
+        state, reason = self._shown(remote, st.cluster or "")
+        # An end as the attempt's own (a timeout, a lost worker); a state under way, the state's.
+        code = (
+            end_code(remote.state, remote.error, preemption=self._job.preemption) if remote.terminal else None
+        )
+        self._set(state, reason, code=code)
 
     @staticmethod
     def _shown(remote: ControllerJobStatus, cluster: str) -> tuple[JobState, str]:
@@ -1447,6 +1652,8 @@ class JobWorkflow:
             JobState.KILLED: f"Killed on {cluster}",
         }
         reason = reasons.get(state, state.value)
+        if remote.state is ControllerJobState.PREEMPTED:
+            reason = f"Preempted on {cluster}"
         if remote.error:
             reason = f"{reason}: {remote.error}"
         return state, reason
@@ -1488,7 +1695,7 @@ class JobWorkflow:
                     if terminated:
                         await self._end(JobState.KILLED, f"Killed; {cluster} no longer knows the job")
                     else:
-                        await self._end(JobState.FAILED, cause.message)
+                        await self._end(JobState.FAILED, cause.message, ReasonCode.PeerLost)
                     return
                 raise
             self._apply(remote)
@@ -1505,6 +1712,22 @@ class JobWorkflow:
         with contextlib.suppress(ActivityError, asyncio.CancelledError):
             await handle
         return False
+
+    async def _await_news(self) -> Observation | None:
+        """Wait for the watcher's next observation of the attempt (FEED_PATCH), a cancel, or a
+        reader of the log; None when the safety poll is due (every mirror_safety_poll_s, ±20% so
+        the jobs of a burst do not ask at once) or the wait ended for a cancel or a reader."""
+        job = self._job
+        assert job.view is not None
+        due_s = job.view.mirror_safety_poll_s * (0.8 + 0.4 * workflow.random().random())
+        with contextlib.suppress(TimeoutError):
+            await workflow.wait_condition(self._news, timeout=timedelta(seconds=due_s))
+        seen, job.observed = job.observed, None
+        return seen
+
+    def _news(self) -> bool:
+        job = self._job
+        return job.observed is not None or self._cancel_unsent(False) or job.logs_until_ms > self._now_ms()
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
         return handle.done() or self._cancel_unsent(terminated)

@@ -2,17 +2,21 @@
 
 A bad config, an unknown cluster or unusable keys print one line on stderr and exit with code 2
 before anything is started; so does a cluster without ``[clusters.auth]`` asked to bind a
-non-loopback address (docs/DESIGN.md, "Handoff and admission").
+non-loopback address (docs/DESIGN.md, "Handoff and admission"), and an unusable
+``IRIS_RETENTION_SWEEP_S`` (seconds between retention sweeps, default 300; docs/DESIGN.md,
+"Retention").
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
 import sys
 from pathlib import Path
+from types import FrameType
 
 from iris.config import ConfigError, load_config
 
@@ -32,7 +36,10 @@ def is_loopback(host: str) -> bool:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m iris.controller", description="Run an Iris cluster controller."
+        prog="python -m iris.controller",
+        description="Run an Iris cluster controller.",
+        epilog="Finished jobs are removed after the cluster's retention_s; $IRIS_RETENTION_SWEEP_S "
+        "sets the seconds between sweeps (default 300).",
     )
     p.add_argument("--config", required=True, help="federation config file (TOML or JSON)")
     p.add_argument("--cluster", required=True, help="name of the cluster this controller serves")
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from iris.controller.app import create_app
     from iris.controller.identity import default_key_dir
     from iris.controller.privileges import harden_key_file, privilege_warning, resolve_run_as
+    from iris.controller.retention import sweep_interval_s
 
     try:
         config = load_config(args.config)
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"invalid port {port}")
         if args.kill_grace < 0:
             raise ConfigError("--kill-grace must be >= 0")
+        sweep_interval_s()
         host = args.host or cluster.host
         if cluster.auth is None and not is_loopback(host):
             raise ConfigError(
@@ -115,7 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"iris controller: cannot create state dir {args.state_dir}: {exc.strerror}", file=sys.stderr)
         return EXIT_BAD_CONFIG
 
-    server = uvicorn.Server(
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Long polls of the change feed answer at once: a graceful stop does not wait for them.
+            executor = getattr(app.state, "executor", None)
+            if executor is not None:
+                asyncio.get_event_loop().call_soon_threadsafe(executor.feed.close)
+            super().handle_exit(sig, frame)
+
+    server = Server(
         uvicorn.Config(
             app,
             host=host,

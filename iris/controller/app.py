@@ -21,15 +21,25 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from iris import tracing
 from iris.bundle import MAX_ARCHIVE_BYTES, BundleError, check_sha256, human_size
 from iris.config import ClusterConfig, FederationConfig
 from iris.controller.artifacts import ArtifactCheckRequest, ArtifactReport, check_artifacts
 from iris.controller.bundles import BundleInfo
-from iris.controller.errors import ControllerError, InvalidArgument, NotFound, PermissionDenied
+from iris.controller.errors import (
+    AlreadyExists,
+    ControllerError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from iris.controller.executors import MAX_LOG_CHUNK, Executor
 from iris.controller.identity import LOCAL_ADMIN, Admission, Caller, body_sha256, default_key_dir
+from iris.controller.metrics import CONTENT_TYPE, ControllerMetrics, route_template
 from iris.controller.models import (
     BackendsResponse,
+    ChangeList,
     ErrorBody,
     ErrorCode,
     HealthResponse,
@@ -39,6 +49,7 @@ from iris.controller.models import (
     LogChunk,
     validate_job_id,
 )
+from iris.controller.retention import Retention, sweep_interval_s
 from iris.controller.state import JobRecord, StateStore
 
 log = logging.getLogger("iris.controller")
@@ -46,6 +57,8 @@ access_log = logging.getLogger("iris.controller.access")
 
 MAX_BODY_BYTES = 1 << 20
 MAX_FOLLOW_WAIT_S = 60.0
+# A page of /v1/jobs and a reply of /v1/changes hold at most this many jobs (the default).
+MAX_PAGE = 1000
 BUNDLES_PATH = "/v1/bundles/"
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -83,14 +96,19 @@ def _signed_target(request: Request) -> str:
 
 async def _authenticate(request: Request, *, streamed: bool) -> Caller:
     admission: Admission = request.app.state.admission
-    caller = await admission.authenticate(
-        request.headers.get("authorization"),
-        method=request.method,
-        target=_signed_target(request),
-        # Read only once the signature is good (a route with a JSON body has it read already);
-        # a non-upload body is at most MAX_BODY_BYTES.
-        read_body=None if streamed else request.body,
-    )
+    try:
+        caller = await admission.authenticate(
+            request.headers.get("authorization"),
+            method=request.method,
+            target=_signed_target(request),
+            # Read only once the signature is good (a route with a JSON body has it read already);
+            # a non-upload body is at most MAX_BODY_BYTES.
+            read_body=None if streamed else request.body,
+        )
+    except Unauthenticated:
+        metrics: ControllerMetrics = request.app.state.metrics
+        metrics.refused("unauthenticated")
+        raise
     request.state.caller = caller
     return caller
 
@@ -134,6 +152,9 @@ def create_app(
         executor = Executor(cluster, state_dir, store, kill_grace_s=kill_grace_s)
         executor.recover()
         app.state.executor = executor
+        # Once now, then periodically (docs/DESIGN.md, "Retention").
+        retention = Retention(executor, retention_s=cluster.retention_s, interval_s=sweep_interval_s())
+        retention.start()
         log.info(
             "controller %s ready: %d backend(s), %d known job(s), auth %s",
             cluster.name,
@@ -151,6 +172,7 @@ def create_app(
         try:
             yield
         finally:
+            await retention.stop()
             await executor.shutdown()
             store.close()
             log.info("controller %s stopped", cluster.name)
@@ -171,6 +193,13 @@ def create_app(
         redoc_url=None,
     )
     app.state.admission = admission
+    # GET /metrics (docs/DESIGN.md, "Metrics"): this app's own registry.
+    metrics = ControllerMetrics(cluster, lambda: getattr(app.state, "executor", None))
+    app.state.metrics = metrics
+    # Each request a span, the child of the caller's `traceparent`, when tracing is on
+    # (docs/DESIGN.md, "Tracing"); nothing otherwise.
+    tracing.configure(config, tracing.controller_service(cluster.name))
+    tracing.instrument_app(app)
 
     @app.middleware("http")
     async def access_and_limits(
@@ -191,6 +220,9 @@ def create_app(
             # A refused request's unread body is not drained to keep the connection alive: the
             # server hangs up after the answer (docs/DESIGN.md, "Handoff and admission").
             response.headers["connection"] = "close"
+        metrics.request(
+            request.method, route_template(request.scope, app.router.routes), response.status_code
+        )
         caller = getattr(request.state, "caller", None)
         access_log.info(
             "%s %s -> %d in %.1fms caller=%s",
@@ -236,25 +268,53 @@ def create_app(
     async def health() -> HealthResponse:
         return HealthResponse(cluster=cluster.name)
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        """Prometheus's text format, without a token like /v1/health: counts by bounded labels only,
+        nothing that names a job, a user, a requester or a secret (docs/DESIGN.md, "Metrics")."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/backends", response_model=BackendsResponse, tags=["capacity"])
     async def backends(executor: ExecutorDep, caller: CallerDep) -> BackendsResponse:
         return BackendsResponse(cluster=cluster.name, backends=executor.availability())
 
-    @app.post("/v1/jobs", response_model=JobStatus, tags=["jobs"])
-    async def launch(req: LaunchRequest, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
-        # Admission order (docs/DESIGN.md, "Admission order"): local_admin, requester == issuer,
-        # allowed submitters.
+    def admission_refusal(req: LaunchRequest, caller: Caller) -> tuple[str, str] | None:
+        """Admission order (docs/DESIGN.md, "Admission order"): local_admin, requester == issuer,
+        allowed submitters. The first refusal's reason (iris/metrics.py) and message, or None."""
         if req.user.strip().lower() == LOCAL_ADMIN:
-            raise PermissionDenied("the local_admin submitter cannot hand off jobs")
+            return "local_admin", "the local_admin submitter cannot hand off jobs"
         if caller.cluster is not None and req.requester != caller.cluster:
-            raise PermissionDenied(
-                f"requester {req.requester!r} does not match the signed identity {caller.cluster!r}"
+            return (
+                "requester_mismatch",
+                f"requester {req.requester!r} does not match the signed identity {caller.cluster!r}",
             )
         if not admission.may_submit(caller):
-            raise PermissionDenied(f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}")
+            return (
+                "requester_not_trusted",
+                f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}",
+            )
         if not admission.submitter_allowed(req.user):
-            raise PermissionDenied(f"user {req.user!r} may not submit to cluster {cluster.name}")
-        job, _created = executor.launch(req)
+            return "submitter_not_allowed", f"user {req.user!r} may not submit to cluster {cluster.name}"
+        return None
+
+    @app.post("/v1/jobs", response_model=JobStatus, tags=["jobs"])
+    async def launch(req: LaunchRequest, executor: ExecutorDep, caller: CallerDep) -> JobStatus:
+        refusal = admission_refusal(req, caller)
+        if refusal is not None:
+            metrics.refused_launch(req.backend_id, refusal[0])
+            raise PermissionDenied(refusal[1])
+        try:
+            job, created = executor.launch(req)
+        except AlreadyExists:
+            metrics.refused_launch(req.backend_id, "already_exists")
+            raise
+        except InvalidArgument:
+            metrics.refused_launch(req.backend_id, "unsupported_demand")
+            raise
+        except NotFound:
+            metrics.launched(req.backend_id, "bundle_missing")
+            raise
+        metrics.launched(req.backend_id, "accepted" if created else "replayed")
         return job.status()
 
     def bundle_id(sha256: str) -> str:
@@ -284,6 +344,7 @@ def create_app(
         it and form an acceptable bundle). The caller is authenticated before the body is read, and
         the body checked against the token's body hash before it is stored."""
         if not admission.may_submit(caller):
+            metrics.refused("requester_not_trusted")
             raise PermissionDenied(f"cluster {caller.cluster!r} may not hand off jobs to {cluster.name}")
         sha = bundle_id(sha256)
         existing = executor.bundles.info(sha)
@@ -303,8 +364,30 @@ def create_app(
         return info
 
     @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
-    async def list_jobs(executor: ExecutorDep, caller: CallerDep) -> JobList:
-        return JobList(jobs=[j.status() for j in executor.all_jobs() if caller.may_access(j.requester)])
+    async def list_jobs(
+        executor: ExecutorDep,
+        caller: CallerDep,
+        after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    ) -> JobList:
+        """The caller's jobs in launch order, a page at a time: ``after`` is the previous page's
+        ``next_after``. ``cursor`` is the change feed's when the page was read."""
+        return executor.page(after, limit, caller.may_access)
+
+    @app.get("/v1/changes", response_model=ChangeList, tags=["jobs"])
+    async def changes(
+        executor: ExecutorDep,
+        caller: CallerDep,
+        since: Annotated[str | None, Query(max_length=64)] = None,
+        wait: Annotated[float, Query(ge=0, le=MAX_FOLLOW_WAIT_S)] = 0.0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    ) -> ChangeList:
+        """Every job of the caller's that changed after the cursor ``since`` (docs/DESIGN.md, "The
+        change feed"): a long poll that answers as soon as something changed, or after ``wait``
+        seconds with no change. A cursor from another start of this controller, or too old to
+        answer exactly, gets ``resync``: list ``/v1/jobs`` and continue from its ``cursor``."""
+        await executor.feed.wait(since, wait)
+        return executor.changes(since, limit, caller.may_access)
 
     @app.get("/v1/jobs/{job_id:path}/logs", response_model=LogChunk, tags=["jobs"])
     async def logs(

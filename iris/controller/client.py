@@ -24,6 +24,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from iris import tracing
 from iris.config import FederationConfig
 from iris.controller.artifacts import ArtifactReport
 from iris.controller.bundles import BundleInfo
@@ -31,6 +32,7 @@ from iris.controller.errors import ControllerError, Unavailable, error_for
 from iris.controller.identity import TokenSigner
 from iris.controller.models import (
     BackendsResponse,
+    ChangeList,
     ErrorBody,
     HealthResponse,
     JobList,
@@ -86,6 +88,9 @@ class ControllerClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, verify=_tls_context()
         )
+        # Each request a span, its ``traceparent`` sent along, when tracing is on (docs/DESIGN.md,
+        # "Tracing"); nothing otherwise.
+        tracing.instrument_http(self._http)
 
     @classmethod
     def for_cluster(
@@ -194,13 +199,44 @@ class ControllerClient:
         return await self._request("GET", "/v1/backends", BackendsResponse)
 
     async def launch(self, req: LaunchRequest) -> JobStatus:
-        return await self._request("POST", "/v1/jobs", JobStatus, json=req.model_dump(mode="json"))
+        body = req.model_dump(mode="json")
+        if not req.preemptions:
+            del body["preemptions"]  # see LaunchRequest.preemptions
+        return await self._request("POST", "/v1/jobs", JobStatus, json=body)
 
     async def status(self, job_id: str) -> JobStatus:
         return await self._request("GET", _job_path(job_id), JobStatus)
 
     async def list_jobs(self) -> list[JobStatus]:
-        return (await self._request("GET", "/v1/jobs", JobList)).jobs
+        """Every job of the caller's, all pages."""
+        jobs: list[JobStatus] = []
+        after: int | None = 0
+        while after is not None:
+            page = await self.jobs_page(after)
+            jobs += page.jobs
+            after = page.next_after
+        return jobs
+
+    async def jobs_page(self, after: int = 0, limit: int | None = None) -> JobList:
+        """One page of the caller's jobs in launch order (``after``: the last page's ``next_after``)."""
+        params: dict[str, Any] = {"after": after}
+        if limit is not None:
+            params["limit"] = limit
+        return await self._request("GET", "/v1/jobs", JobList, params=params)
+
+    async def changes(
+        self, since: str | None, *, wait_s: float = 0.0, limit: int | None = None
+    ) -> ChangeList:
+        """The change feed after ``since`` (docs/DESIGN.md, "The change feed"); with ``wait_s`` the
+        controller holds the request until something changes, up to that long."""
+        params: dict[str, Any] = {"wait": wait_s}
+        if since is not None:
+            params["since"] = since
+        if limit is not None:
+            params["limit"] = limit
+        return await self._request(
+            "GET", "/v1/changes", ChangeList, params=params, request_timeout=self.timeout + wait_s
+        )
 
     async def logs(
         self,

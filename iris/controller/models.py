@@ -8,6 +8,7 @@ models, so both sides agree on one definition.
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -90,6 +91,11 @@ class LaunchRequest(BaseModel):
     timeout_s: float | None = Field(default=None, gt=0, le=365 * 24 * 3600)
     # The job's workspace, uploaded beforehand (PUT /v1/bundles/{sha256}); the command runs in it.
     bundle: BundleRef | None = None
+    # How many earlier attempts of this job were preempted or lost (home's count against
+    # --max-retries-preemption): a backend preempts such a job after the others of its band
+    # (docs/DESIGN.md, "Preemption"). Left out of the body when 0, so a controller that predates
+    # the field still takes a first attempt.
+    preemptions: int = Field(default=0, ge=0, le=1000)
 
     @field_validator("job_id")
     @classmethod
@@ -131,6 +137,9 @@ class ControllerJobState(StrEnum):
     # The controller lost track of the job's processes (e.g. they died with the controller): its
     # outcome is unknown.
     WORKER_FAILED = "WORKER_FAILED"
+    # Stopped by its backend to make room for a job of a higher band (docs/DESIGN.md, "Preemption"):
+    # SIGTERM, a grace period, SIGKILL. Its error says "preempted by <job id> at <time>".
+    PREEMPTED = "PREEMPTED"
 
     @property
     def terminal(self) -> bool:
@@ -139,6 +148,12 @@ class ControllerJobState(StrEnum):
 
 # The error of a job its --timeout ended (FAILED): the home side never retries it.
 TIMED_OUT = "timed out"
+
+
+def preempted_note(by_job_id: str, at_ms: int) -> str:
+    """The error of a PREEMPTED job: who preempted it and when (UTC)."""
+    at = datetime.fromtimestamp(at_ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return f"preempted by {by_job_id} at {at[:-4]}Z"
 
 
 class TaskStatus(BaseModel):
@@ -167,6 +182,11 @@ class JobStatus(BaseModel):
     # How many times this job id has been launched (a new nonce after a finished run counts again).
     attempts: int = 1
     tasks: list[TaskStatus] = Field(default_factory=list)
+    # The record's place in the controller's change feed (docs/DESIGN.md, "The change feed"): the
+    # feed's epoch (one per controller start) and the version of the record's latest change. Within
+    # one epoch a higher version is newer; "" and 0 from a controller without a feed.
+    epoch: str = ""
+    version: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -174,7 +194,30 @@ class JobStatus(BaseModel):
 
 
 class JobList(BaseModel):
+    """One page of the controller's jobs, in the order they were launched."""
+
     jobs: list[JobStatus]
+    # The ``after`` of the next page; None on the last page.
+    next_after: int | None = None
+    # The change feed's cursor when the listing began: a reader that resyncs by listing every page
+    # continues the feed from here and misses no change made meanwhile.
+    cursor: str | None = None
+
+
+class ChangeList(BaseModel):
+    """The answer of ``GET /v1/changes`` (docs/DESIGN.md, "The change feed")."""
+
+    # Continue from here (the next request's ``since``).
+    cursor: str
+    # The ``since`` cursor cannot be answered exactly (another controller start, or too old): list
+    # every job (``GET /v1/jobs``, paginated) and continue from the listing's ``cursor``.
+    resync: bool = False
+    # More changes are waiting: ask again at once.
+    more: bool = False
+    # Each job that changed after ``since``, once, as it is now (oldest change first).
+    jobs: list[JobStatus] = Field(default_factory=list)
+    # Jobs removed since (retention): the reader forgets them.
+    removed: list[str] = Field(default_factory=list)
 
 
 class LogChunk(BaseModel):

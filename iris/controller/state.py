@@ -22,9 +22,15 @@ from iris.controller.models import ControllerJobState, JobStatus, LaunchRequest,
 from iris.policy.models import Band, DeviceRequest
 
 DB_NAME = "controller.db"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Each step takes the schema from version N-1 to N; a store is migrated on open.
-_MIGRATIONS = {2: "ALTER TABLE jobs ADD COLUMN bundle TEXT"}
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE jobs ADD COLUMN bundle TEXT",),
+    3: (
+        "ALTER TABLE jobs ADD COLUMN preempted TEXT",
+        "ALTER TABLE jobs ADD COLUMN preemptions INTEGER NOT NULL DEFAULT 0",
+    ),
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,12 +56,20 @@ CREATE TABLE IF NOT EXISTS jobs (
     run_id TEXT NOT NULL,
     tasks TEXT NOT NULL,
     terminate_requested INTEGER NOT NULL DEFAULT 0,
-    bundle TEXT
+    bundle TEXT,
+    preempted TEXT,
+    preemptions INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_seq ON jobs (seq);
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_ms, job_id) WHERE finished_ms IS NOT NULL;
 CREATE TABLE IF NOT EXISTS seen_tokens (jti TEXT PRIMARY KEY, expires_ms INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS seen_tokens_expiry ON seen_tokens (expires_ms);
 """
+
+
+# The highest seq retention ever removed: a later job never takes a seq a reader has seen (the
+# listing ``/v1/jobs`` pages by seq).
+_SEQ_FLOOR_KEY = "removed_seq_floor"
 
 
 class StateDirBusy(RuntimeError):
@@ -121,6 +135,15 @@ class JobRecord:
     terminate_requested: bool = False
     # The sha256 of the job's workspace bundle in this controller's bundle store, if it has one.
     bundle: str | None = None
+    # Set, and saved, the moment its backend preempts it for a higher band (docs/DESIGN.md,
+    # "Preemption"): "preempted by <job id> at <time>". Stored, so a controller that restarts
+    # during the victim's grace still settles it PREEMPTED.
+    preempted: str | None = None
+    # The launch's count of earlier attempts preempted or lost (LaunchRequest.preemptions).
+    preemptions: int = 0
+    # Its latest change in the change feed (in memory only; set by the executor on every save).
+    epoch: str = ""
+    version: int = 0
 
     @classmethod
     def new(cls, req: LaunchRequest, *, seq: int, run_id: str, attempts: int) -> JobRecord:
@@ -142,6 +165,7 @@ class JobRecord:
             run_id=run_id,
             tasks=[TaskRecord(index=i) for i in range(req.device.replicas)],
             bundle=req.bundle.sha256 if req.bundle else None,
+            preemptions=req.preemptions,
         )
 
     @property
@@ -163,6 +187,8 @@ class JobRecord:
             requester=self.requester,
             nonce=self.nonce,
             attempts=self.attempts,
+            epoch=self.epoch,
+            version=self.version,
             tasks=[
                 TaskStatus(index=t.index, state=t.state, exit_code=t.exit_code, slots=list(t.slots))
                 for t in self.tasks
@@ -173,12 +199,45 @@ class JobRecord:
 _COLUMNS = (
     "job_id, seq, requester, nonce, user, band, backend_id, command, env, device, timeout_s, state, "
     "exit_code, error, created_ms, started_ms, finished_ms, attempts, run_id, tasks, terminate_requested, "
-    "bundle"
+    "bundle, preempted, preemptions"
 )
 
 
+class _ThreadConnection:
+    """A connection of its own for calls made from worker threads (``asyncio.to_thread``),
+    serialized by a lock: the event loop's connection is never shared across threads, and their
+    transactions never interleave with this one's."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._db: sqlite3.Connection | None = None
+        self._closed = False
+        self.lock = threading.Lock()
+
+    def get(self) -> sqlite3.Connection:
+        """The connection (call with ``lock`` held)."""
+        if self._closed:
+            raise RuntimeError("the state store is closed")
+        if self._db is None:
+            self._db = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA busy_timeout=5000")
+        return self._db
+
+    def close(self) -> None:
+        with self.lock:
+            self._closed = True
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+
 class StateStore:
-    """A small synchronous SQLite store; each call is one short transaction."""
+    """A small synchronous SQLite store; each call is one short transaction.
+
+    The event loop's calls (``save``, ``job_ids_after``, ``load_all``) use one connection; calls
+    made from worker threads (``remember_token``, and retention's ``expired``/``remove``) each use
+    one of their own.
+    """
 
     def __init__(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -204,9 +263,8 @@ class StateStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
-        self._tokens_db: sqlite3.Connection | None = None
-        self._tokens_lock = threading.Lock()
-        self._tokens_closed = False
+        self._tokens = _ThreadConnection(self.path)
+        self._retention = _ThreadConnection(self.path)
         row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             self._db.execute(
@@ -216,6 +274,16 @@ class StateStore:
             raise RuntimeError(f"{self.path}: unsupported schema version {row[0]} (newer than this code)")
         else:
             self._migrate(int(row[0]))
+        # The last seq handed out; kept here so a launch costs no query.
+        self._seq = max(
+            int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()[0]),
+            self._seq_floor(self._db),
+        )
+
+    @staticmethod
+    def _seq_floor(db: sqlite3.Connection) -> int:
+        row = db.execute("SELECT value FROM meta WHERE key = ?", (_SEQ_FLOOR_KEY,)).fetchone()
+        return 0 if row is None else int(row[0])
 
     def _migrate(self, version: int) -> None:
         """Bring a store written by an older controller up to SCHEMA_VERSION, one step per version,
@@ -223,7 +291,8 @@ class StateStore:
         for target in range(version + 1, SCHEMA_VERSION + 1):
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute(_MIGRATIONS[target])
+                for statement in _MIGRATIONS[target]:
+                    self._db.execute(statement)
                 self._db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(target),))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -231,17 +300,15 @@ class StateStore:
                 raise
 
     def close(self) -> None:
-        with self._tokens_lock:
-            self._tokens_closed = True
-            if self._tokens_db is not None:
-                self._tokens_db.close()
-                self._tokens_db = None
+        self._tokens.close()
+        self._retention.close()
         self._db.close()
         self._lock.close()
 
     def next_seq(self) -> int:
-        row = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM jobs").fetchone()
-        return int(row[0]) + 1
+        """A seq for a new job: above every seq this store ever held, removed ones included."""
+        self._seq += 1
+        return self._seq
 
     def save(self, job: JobRecord) -> None:
         placeholders = ", ".join("?" for _ in _COLUMNS.split(","))
@@ -270,8 +337,17 @@ class StateStore:
                 json.dumps([t.to_json() for t in job.tasks]),
                 int(job.terminate_requested),
                 job.bundle,
+                job.preempted,
+                job.preemptions,
             ),
         )
+
+    def job_ids_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        """(seq, job id) of the first ``limit`` jobs launched after ``seq`` (by the ``jobs_seq`` index)."""
+        rows = self._db.execute(
+            "SELECT seq, job_id FROM jobs WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+        ).fetchall()
+        return [(int(r[0]), str(r[1])) for r in rows]
 
     def load_all(self) -> list[JobRecord]:
         rows = self._db.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY seq").fetchall()
@@ -302,24 +378,20 @@ class StateStore:
             tasks=[TaskRecord.from_json(t) for t in json.loads(r[19])],
             terminate_requested=bool(r[20]),
             bundle=r[21],
+            preempted=r[22],
+            preemptions=r[23],
         )
 
     def remember_token(self, jti: str, expires_ms: int) -> bool:
         """Record a token id; False if it was already seen (a replay). Expired ids are pruned (by
         the ``seen_tokens_expiry`` index).
 
-        Called from a worker thread (``asyncio.to_thread``, docs/DESIGN.md "Identity tokens"), so
-        it has its own connection, serialized by a lock: the event loop's connection is never
-        shared across threads, and its transactions never interleave with this one.
+        Called from a worker thread (``asyncio.to_thread``, docs/DESIGN.md "Identity tokens"), on
+        a connection of its own.
         """
         now = now_ms()
-        with self._tokens_lock:
-            if self._tokens_closed:
-                raise RuntimeError("the state store is closed")
-            if self._tokens_db is None:
-                self._tokens_db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-                self._tokens_db.execute("PRAGMA busy_timeout=5000")
-            db = self._tokens_db
+        with self._tokens.lock:
+            db = self._tokens.get()
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute("DELETE FROM seen_tokens WHERE expires_ms < ?", (now,))
@@ -330,6 +402,58 @@ class StateStore:
                     return False
                 db.execute("COMMIT")
                 return True
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+
+    # ---- retention (docs/DESIGN.md, "Retention"): from a worker thread, on a connection of its own
+
+    def expired(
+        self, cutoff_ms: int, after: tuple[int, str] | None, limit: int
+    ) -> list[tuple[int, str, str]]:
+        """(finished_ms, job id, run id) of up to ``limit`` jobs that finished at or before
+        ``cutoff_ms``, oldest first, after the key ``after`` (by the ``jobs_finished`` index: a
+        batch costs what it holds). Unfinished jobs have no ``finished_ms`` and are never listed."""
+        floor_ms, floor_id = after if after is not None else (-1, "")
+        with self._retention.lock:
+            rows = (
+                self._retention.get()
+                .execute(
+                    "SELECT finished_ms, job_id, run_id FROM jobs WHERE finished_ms IS NOT NULL "
+                    "AND finished_ms <= ? AND (finished_ms, job_id) > (?, ?) "
+                    "ORDER BY finished_ms, job_id LIMIT ?",
+                    (cutoff_ms, floor_ms, floor_id, limit),
+                )
+                .fetchall()
+            )
+        return [(int(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    def remove(self, runs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """Delete the records of these (job id, run id) in one transaction; a job relaunched since
+        (another run id) keeps its record. The highest seq removed is remembered, so a later job
+        never reuses it (``next_seq``). Returns the (job id, run id) whose record was deleted."""
+        if not runs:
+            return []
+        with self._retention.lock:
+            db = self._retention.get()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                top = 0
+                deleted: list[tuple[str, str]] = []
+                for job_id, run_id in runs:
+                    row = db.execute(
+                        "DELETE FROM jobs WHERE job_id = ? AND run_id = ? RETURNING seq", (job_id, run_id)
+                    ).fetchone()
+                    if row is not None:
+                        deleted.append((job_id, run_id))
+                        top = max(top, int(row[0]))
+                if top > self._seq_floor(db):
+                    db.execute(
+                        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (_SEQ_FLOOR_KEY, str(top))
+                    )
+                db.execute("COMMIT")
+                return deleted
             except BaseException:
                 if db.in_transaction:
                     db.execute("ROLLBACK")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from iris.policy.models import Band, Constraint, PeerVerdict, WaitingGroup, WaitKind
+from iris.policy.reasons import ReasonCode
 from iris.policy.routing import constraint_holds
 
 QUEUED_REASON = "Queued for a federation peer to report free capacity"
@@ -110,6 +111,35 @@ def summarize(pinned: str | None, verdicts: Sequence[PeerVerdict]) -> str:
     return f"{base}: {'; '.join(parts)}" if parts else base
 
 
+def reason_code(pinned: str | None, verdicts: Sequence[PeerVerdict], alone_fits: bool) -> ReasonCode:
+    """The stable code of a waiting job's verdicts (docs/DESIGN.md, "Reason codes").
+
+    ``alone_fits``: one of the candidate peers could have taken the job with what it reported (net
+    of the ledger) before this tick placed anything: alone in the queue, the job would have been
+    placed. Jobs ahead of it in the planner's order, or a per-tick cap, kept it waiting.
+
+    Precedence when the verdicts are mixed, first match wins; a peer that answers and has the shape
+    says more about the wait than one that is down, stale or lacks the shape:
+
+    1. ``Priority``: ``alone_fits``.
+    2. ``PinnedPeerFull`` (pinned) or ``NoCapacity``: a candidate answers with the shape, and is
+       full (or capped, and full besides).
+    3. ``PeerUnreachable``: no candidate answers with the shape; one does not answer at all.
+    4. ``PeerStale``: likewise, and one answers with a report older than the staleness bound.
+    5. ``ShapeMismatch``: every candidate lacks the shape (or the pin names no known cluster).
+    """
+    if alone_fits:
+        return ReasonCode.Priority
+    kinds = {v.kind for v in verdicts}
+    if WaitKind.FULL in kinds or WaitKind.PER_TICK_CAP in kinds:
+        return ReasonCode.PinnedPeerFull if pinned else ReasonCode.NoCapacity
+    if WaitKind.UNREACHABLE in kinds:
+        return ReasonCode.PeerUnreachable
+    if WaitKind.STALE in kinds:
+        return ReasonCode.PeerStale
+    return ReasonCode.ShapeMismatch
+
+
 def group_verdicts(
     per_peer: Iterable[tuple[str, WaitKind, str, str | None, int | None, int | None]],
 ) -> list[PeerVerdict]:
@@ -132,30 +162,32 @@ def group_verdicts(
     return list(grouped.values())
 
 
-_GroupKey = tuple[str, tuple[tuple[WaitKind, str, tuple[str, ...]], ...]]
+_GroupKey = tuple[str, ReasonCode, tuple[tuple[WaitKind, str, tuple[str, ...]], ...]]
 
 
 def merge_groups(
-    groups: Iterable[tuple[list[tuple[int, str]], str, list[PeerVerdict]]],
+    groups: Iterable[tuple[list[tuple[int, str]], str, ReasonCode, list[PeerVerdict]]],
 ) -> list[WaitingGroup]:
-    """One WaitingGroup per distinct (summary, verdicts); jobs given as (queue position, job id).
+    """One WaitingGroup per distinct (summary, code, verdicts); jobs given as (queue position, job id).
 
     Groups and the jobs inside them come out in queue order, however the caller grouped them.
     """
     jobs_of: dict[_GroupKey, list[tuple[int, str]]] = {}
-    content: dict[_GroupKey, tuple[str, list[PeerVerdict]]] = {}
-    for jobs, summary, verdicts in groups:
-        key = (summary, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
+    content: dict[_GroupKey, tuple[str, ReasonCode, list[PeerVerdict]]] = {}
+    for jobs, summary, code, verdicts in groups:
+        key = (summary, code, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
         if key in jobs_of:
             jobs_of[key].extend(jobs)
         else:
             jobs_of[key] = list(jobs)
-            content[key] = (summary, verdicts)
+            content[key] = (summary, code, verdicts)
     out: list[tuple[int, WaitingGroup]] = []
     for key, jobs in jobs_of.items():
         jobs.sort()
-        summary, verdicts = content[key]
-        group = WaitingGroup(job_ids=[job_id for _, job_id in jobs], summary=summary, verdicts=verdicts)
+        summary, code, verdicts = content[key]
+        group = WaitingGroup(
+            job_ids=[job_id for _, job_id in jobs], summary=summary, code=code, verdicts=verdicts
+        )
         out.append((jobs[0][0], group))
     out.sort(key=lambda item: item[0])
     return [group for _, group in out]

@@ -11,6 +11,8 @@ from enum import IntEnum, StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from iris.policy.reasons import ReasonCode
+
 ROUTING_KEYS: frozenset[str] = frozenset({"device-type", "device-variant", "preemptible", "region", "zone"})
 # The availability block version this code understands; any other version is treated as "no block".
 AVAILABILITY_VERSION = 1
@@ -230,6 +232,8 @@ class JobExplanation(BaseModel):
 
     job_id: str
     summary: str
+    # The summary's stable code (iris/policy/reasons.py).
+    code: ReasonCode = ReasonCode.Pending
     verdicts: list[PeerVerdict] = Field(default_factory=list)
 
     def for_peer(self, peer_id: str) -> PeerVerdict | None:
@@ -241,6 +245,8 @@ class WaitingGroup(BaseModel):
 
     job_ids: list[str]
     summary: str
+    # The summary's stable code (iris/policy/reasons.py).
+    code: ReasonCode = ReasonCode.Pending
     verdicts: list[PeerVerdict] = Field(default_factory=list)
 
 
@@ -266,7 +272,9 @@ class PlanResult(BaseModel):
     def explain(self, job_id: str) -> JobExplanation | None:
         for group in self.waiting:
             if job_id in group.job_ids:
-                return JobExplanation(job_id=job_id, summary=group.summary, verdicts=group.verdicts)
+                return JobExplanation(
+                    job_id=job_id, summary=group.summary, code=group.code, verdicts=group.verdicts
+                )
         return None
 
     def placement_for(self, job_id: str) -> Placement | None:

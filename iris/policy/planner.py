@@ -12,6 +12,8 @@ backend), so "the tightest backend with at least N available" is a bisection; on
 a placement charges is re-sorted. Most of a large queue fits nowhere, and finding that out costs one
 bisection per job. Why a job waits is computed once per (class, band, need, pin) at the end of the
 tick: capacity only shrinks during a tick, so a reason true at the end was true at the job's turn.
+Its code (``Priority`` or not) compares the need with what each backend offered before the tick
+placed anything, kept as a copy of each backend's capacity.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from iris.policy.availability import (
 from iris.policy.explain import (
     cap_message,
     full_message,
+    reason_code,
     stale_message,
     summarize,
     unknown_peer_message,
@@ -52,6 +55,7 @@ from iris.policy.models import (
     WaitingGroup,
     WaitKind,
 )
+from iris.policy.reasons import ReasonCode
 from iris.policy.reference import peer_order, placement_reason, unique_backends
 from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
 
@@ -66,7 +70,7 @@ _Row = tuple[str, WaitKind, str, str | None, int | None, int | None]
 
 
 class _Backend:
-    __slots__ = ("attrs", "backend_id", "cap", "epoch", "home", "idx", "peer_id")
+    __slots__ = ("attrs", "backend_id", "cap", "epoch", "home", "idx", "peer_id", "start")
 
     def __init__(
         self,
@@ -85,6 +89,8 @@ class _Backend:
         self.attrs = normalize_attributes(attrs)
         self.cap = cap
         self.epoch = epoch
+        # What it offered before the tick placed anything (for the reason codes).
+        self.start = cap.copy() if cap is not None else None
 
 
 def _levels(cap: Capacity, token: str) -> tuple[int, int, int]:
@@ -233,7 +239,7 @@ class _Tick:
         self.satisfying_cache: dict[int, list[set[int]]] = {}
         self.peer_indexes = {pid: frozenset(b.idx for b in own) for pid, own in self.all_backends.items()}
         self.explanation_cache: dict[
-            tuple[int, Band, str | None, int], tuple[object, str, list[PeerVerdict]]
+            tuple[int, Band, str | None, int], tuple[object, str, ReasonCode, list[PeerVerdict]]
         ] = {}
         self.keys_cache: dict[tuple[int, Band, str | None], list[tuple[WaitKind, str | int, list[str]]]] = {}
 
@@ -457,19 +463,47 @@ class _Tick:
 
     def explanation(
         self, cls: _Class, band: Band, need: int, pin: str | None
-    ) -> tuple[object, str, list[PeerVerdict]]:
-        """(merge key, summary, verdicts) for jobs left waiting; shared across needs when none is FULL."""
+    ) -> tuple[object, str, ReasonCode, list[PeerVerdict]]:
+        """(merge key, summary, code, verdicts) for jobs left waiting; shared across needs when
+        none is FULL."""
         keys = self.verdict_keys(cls, band, pin)
-        needs_matter = any(kind is WaitKind.FULL for kind, _, _ in keys)
+        # The need shows in a FULL verdict, and decides whether a full or capped peer fitted alone.
+        needs_matter = any(kind is WaitKind.FULL or kind is WaitKind.PER_TICK_CAP for kind, _, _ in keys)
         cache_key = (cls.id, band, pin, need if needs_matter else -1)
         cached = self.explanation_cache.get(cache_key)
         if cached is None:
             verdicts = self.verdicts(cls, band, need, pin)
             summary = summarize(pin, verdicts)
-            merge_key = (summary, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
-            cached = (merge_key, summary, verdicts)
+            code = reason_code(pin, verdicts, self.alone_fits(cls, band, need, pin, keys))
+            merge_key = (summary, code, tuple((v.kind, v.message, tuple(v.peer_ids)) for v in verdicts))
+            cached = (merge_key, summary, code, verdicts)
             self.explanation_cache[cache_key] = cached
         return cached
+
+    def alone_fits(
+        self,
+        cls: _Class,
+        band: Band,
+        need: int,
+        pin: str | None,
+        keys: list[tuple[WaitKind, str | int, list[str]]],
+    ) -> bool:
+        """Whether a full or capped peer had room for the need before the tick placed anything (as
+        reference._alone_fits); a pinned job's peer without its shape would have been force-routed."""
+        token = cls.token
+        for kind, _, peers in keys:
+            if kind is WaitKind.NO_SHAPE and pin:
+                return True
+            if kind is not WaitKind.FULL and kind is not WaitKind.PER_TICK_CAP:
+                continue
+            for pid in peers:
+                for b in cls.by_peer.get(pid, ()):
+                    start = b.start
+                    if token is None or start is None or not start.verifies(token):
+                        return True  # ungated or shape-only: it always fits
+                    if start.effective(token, band) >= need:
+                        return True
+        return False
 
     def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
         out: list[PeerVerdict] = []
@@ -623,10 +657,10 @@ def _plan(
     # Identical explanations merge into one group, whatever class, band or need produced them.
     merged: dict[object, tuple[list[int], WaitingGroup]] = {}
     for (cid, band, need, pin), members in waiting.items():
-        merge_key, summary, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
+        merge_key, summary, code, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
         entry = merged.get(merge_key)
         if entry is None:
-            group = WaitingGroup(job_ids=[], summary=summary, verdicts=verdicts)
+            group = WaitingGroup(job_ids=[], summary=summary, code=code, verdicts=verdicts)
             merged[merge_key] = (list(members), group)
         else:
             entry[0].extend(members)

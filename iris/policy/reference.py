@@ -16,6 +16,7 @@ from iris.policy.explain import (
     group_verdicts,
     merge_groups,
     no_shape_message,
+    reason_code,
     stale_message,
     summarize,
     unknown_peer_message,
@@ -91,10 +92,13 @@ def plan_reference(
     peers = peer_order(reports, home)
     status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in peers}
     capacity: dict[tuple[str, str], Capacity | None] = {}
+    # What each backend offered before this tick placed anything (the reason codes compare).
+    initial: dict[tuple[str, str], Capacity | None] = {}
     attrs: dict[tuple[str, str], dict[str, frozenset[str]]] = {}
     for p in peers:
         for b in unique_backends(p):
             capacity[(p.peer_id, b.backend_id)] = working_capacity(p.peer_id, b, reservations)
+            initial[(p.peer_id, b.backend_id)] = working_capacity(p.peer_id, b, reservations)
             attrs[(p.peer_id, b.backend_id)] = normalize_attributes(b.advertised_attributes)
     placed_on: dict[str, int] = {}
 
@@ -183,7 +187,10 @@ def plan_reference(
         verdicts = _verdicts(
             job, pin, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms
         )
-        groups.append(([(position, job.job_id)], summarize(pin, verdicts), verdicts))
+        fit = _alone_fits(job, pin, verdicts, initial, attrs)
+        groups.append(
+            ([(position, job.job_id)], summarize(pin, verdicts), reason_code(pin, verdicts, fit), verdicts)
+        )
     return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups))
 
 
@@ -200,6 +207,32 @@ def placement_reason(peer_id: str, backend_id: str, home: str, shape_only: int, 
 
 def _peer(peers: Sequence[PeerReport], peer_id: str) -> PeerReport:
     return next(p for p in peers if p.peer_id == peer_id)
+
+
+def _alone_fits(
+    job: JobShape,
+    pin: str | None,
+    verdicts: Sequence[PeerVerdict],
+    initial: dict[tuple[str, str], Capacity | None],
+    attrs: dict[tuple[str, str], dict[str, frozenset[str]]],
+) -> bool:
+    """Whether a peer that answers and is full or capped had room for ``job`` before the tick placed
+    anything (alone in the queue, it would have been placed); a pinned job's peer without its shape
+    would have been force-routed."""
+    need = gate(job.device)
+    constraints = job_constraints(job)
+    if pin and any(v.kind is WaitKind.NO_SHAPE for v in verdicts):
+        return True
+    taken = {p for v in verdicts if v.kind in (WaitKind.FULL, WaitKind.PER_TICK_CAP) for p in v.peer_ids}
+    for (peer_id, backend_id), cap in initial.items():
+        if peer_id not in taken or not _matches(constraints, attrs[(peer_id, backend_id)]):
+            continue
+        if not is_verified(cap, need[0] if need else None) or need is None:
+            return True  # shape-only or ungated: it always fits
+        assert cap is not None
+        if cap.effective(need[0], job.band) >= need[1]:
+            return True
+    return False
 
 
 def _verdicts(

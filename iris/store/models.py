@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from iris.policy.models import Band, JobShape, Reservation
+from iris.policy.reasons import ReasonCode
 
 
 class HandleState(StrEnum):
@@ -68,6 +69,8 @@ class JobHandle(BaseModel):
     cancel_requested: bool = False
     cancel_reason: str | None = None
     reason: str | None = None
+    # While queued: the stable code of ``reason`` the tick gave (iris/policy/reasons.py).
+    reason_code: ReasonCode | None = None
     updated_ms: int = 0
 
     @model_validator(mode="before")

@@ -55,6 +55,8 @@ job_handles = Table(
     Column("cancel_reason", Text),
     Column("reason", Text),
     Column("updated_ms", BigInteger, nullable=False),
+    # The tick's stable code for ``reason`` while queued (iris/policy/reasons.py); None otherwise.
+    Column("reason_code", Text),
 )
 
 # One reservation per job: a handle is promoted at most once per incarnation, and requeue or a
@@ -165,10 +167,15 @@ def _m003_counted_from(conn: Connection) -> None:
     conn.exec_driver_sql("ALTER TABLE reservations ADD COLUMN counted_from_ms BIGINT")
 
 
+def _m004_reason_code(conn: Connection) -> None:
+    conn.exec_driver_sql("ALTER TABLE job_handles ADD COLUMN reason_code TEXT")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial federation store", _m001_initial),
     Migration(2, "fences of attempts left on silent clusters", _m002_fences),
     Migration(3, "when a handed-off job's cluster counts it", _m003_counted_from),
+    Migration(4, "the reason code of a queued job's waiting reason", _m004_reason_code),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

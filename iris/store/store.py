@@ -18,7 +18,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from iris.policy.availability import live_reservations, usable_block, working_capacity
 from iris.policy.explain import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED
 from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservation
+from iris.policy.reasons import ReasonCode
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import (
     CancelResult,
@@ -508,7 +509,12 @@ class FederationStore:
                 conn.execute(
                     update(job_handles)
                     .where(job_handles.c.job_id.in_(chunk))
-                    .values(state=HandleState.UNSCHEDULABLE.value, reason=DEADLINE_PASSED, updated_ms=now_ms)
+                    .values(
+                        state=HandleState.UNSCHEDULABLE.value,
+                        reason=DEADLINE_PASSED,
+                        reason_code=None,
+                        updated_ms=now_ms,
+                    )
                 )
             _delete_reservations(conn, ids)
             return ids
@@ -818,19 +824,23 @@ class FederationStore:
 
     # ---- waiting reasons -----------------------------------------------------------------------
 
-    def update_reasons(self, reasons: dict[str, str]) -> list[str]:
-        """Store each queued job's latest waiting summary; the ids whose summary changed.
+    def update_reasons(
+        self, reasons: Mapping[str, str], codes: Mapping[str, ReasonCode] | None = None
+    ) -> list[str]:
+        """Store each queued job's latest waiting summary (and its code, when ``codes`` names one);
+        the ids whose summary or code changed.
 
         Jobs that are not queued (promoted or ended meanwhile) are ignored.
         """
         ids = sorted(reasons)
+        given = codes or {}
 
         def body(conn: Connection) -> list[str]:
             changed: list[str] = []
             now = _now_ms()
             for chunk in _chunks(ids):
                 rows = conn.execute(
-                    select(job_handles.c.job_id, job_handles.c.reason)
+                    select(job_handles.c.job_id, job_handles.c.reason, job_handles.c.reason_code)
                     .where(
                         job_handles.c.job_id.in_(chunk),
                         job_handles.c.state == HandleState.QUEUED_HANDOFF.value,
@@ -838,16 +848,21 @@ class FederationStore:
                     .order_by(job_handles.c.job_id)
                     .with_for_update()
                 )
-                batch = [
-                    {"b_job_id": r.job_id, "b_reason": reasons[r.job_id]}
-                    for r in rows
-                    if r.reason != reasons[r.job_id]
-                ]
+                batch = []
+                for r in rows:
+                    code = given.get(r.job_id)
+                    new_code = r.reason_code if code is None else code.value
+                    if r.reason != reasons[r.job_id] or r.reason_code != new_code:
+                        batch.append(
+                            {"b_job_id": r.job_id, "b_reason": reasons[r.job_id], "b_code": new_code}
+                        )
                 if batch:
                     conn.execute(
                         update(job_handles)
                         .where(job_handles.c.job_id == bindparam("b_job_id"))
-                        .values(reason=bindparam("b_reason"), updated_ms=now),
+                        .values(
+                            reason=bindparam("b_reason"), reason_code=bindparam("b_code"), updated_ms=now
+                        ),
                         batch,
                     )
                     changed.extend(b["b_job_id"] for b in batch)
@@ -877,6 +892,10 @@ def _locked(conn: Connection, job_id: str, incarnation: str) -> JobHandle | None
     return handle if handle.incarnation == incarnation else None
 
 
+# A code a newer worker wrote that this one does not know reads as none.
+_CODES = frozenset(code.value for code in ReasonCode)
+
+
 def _row_handle(row: Row[Any]) -> JobHandle:
     shape = JobShape.model_validate_json(row.shape)
     return JobHandle(
@@ -893,6 +912,7 @@ def _row_handle(row: Row[Any]) -> JobHandle:
         cancel_requested=bool(row.cancel_requested),
         cancel_reason=row.cancel_reason,
         reason=row.reason,
+        reason_code=ReasonCode(row.reason_code) if row.reason_code in _CODES else None,
         updated_ms=row.updated_ms,
     )
 
@@ -913,6 +933,10 @@ def _handle_values(handle: JobHandle) -> dict[str, Any]:
         "cancel_requested": handle.cancel_requested,
         "cancel_reason": handle.cancel_reason,
         "reason": handle.reason,
+        # Only a queued job's reason has a code from the tick; a later state's reason has none here.
+        "reason_code": handle.reason_code.value
+        if handle.reason_code is not None and handle.state is HandleState.QUEUED_HANDOFF
+        else None,
         "updated_ms": handle.updated_ms,
     }
 

@@ -2,25 +2,17 @@
 "Promotion (the CAS)", "Cancellation", "1. A job is handed off at most once per incarnation",
 "2. A cancel recorded before promotion is never delivered").
 
-What races: a cancel — the ``cancel_job`` Update, the ``cancel`` signal, Temporal's own cancel, or an
-operator recording the intent straight in the federation store — against the tick's ``place``
-signal (sometimes sent twice) and the promotion CAS activity it triggers. Each iteration picks the
-stage the cancel aims at (job queued, placement just sent, CAS in flight, handoff in flight, job
-running) and lands it there with a random jitter; the CAS itself starts after a random delay.
-
-Each iteration is the real JobWorkflow on the session's Temporal with the real store activities on
-a fresh SQLite store; only the peer is a stub that counts deliveries and terminations. Fits in CI:
-iterations run 24 at a time.
-
-Violations (all must be 0): a delivery after a cancel that reported it won (Update or store), a
-second delivery, a delivery without a won CAS, a job killed at home but left running on the peer,
-a job not terminal in time, a store handle that disagrees with the job's final state.
+The race and its verdict are tests/cancel_race.py's. Here each iteration is the real JobWorkflow on
+the session's Temporal with the real store activities on a fresh SQLite store, in this process;
+only the peer is a stub that counts deliveries and terminations, and the activities mark each
+stage, so a cancel lands exactly where it aims; the CAS itself starts after a random delay. Fits in
+CI: iterations run 24 at a time. tests/e2e/test_two_workers.py runs the same race on two ``iris
+worker`` processes, a PostgreSQL store and the real controllers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import time
@@ -28,16 +20,13 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from cancel_race import RACER, Milestones, Race, forget, run_race
 from stack import Stack
 from temporalio import activity
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.workflowservice.v1 import DeleteWorkflowExecutionRequest
-from temporalio.client import WorkflowFailureError, WorkflowHandle, WorkflowUpdateRPCTimeoutOrCancelledError
-from temporalio.service import RPCError
+from temporalio.client import WorkflowFailureError
 from temporalio.worker import Worker
 
 from activities.artifacts import ArtifactInput, ArtifactReport
@@ -54,40 +43,18 @@ from activities.peers import (
 )
 from activities.store import EnqueueInput, PromoteInput, StoreActivities
 from iris import contract
-from iris.client import build_spec, execute_update
-from iris.contract import JOB_WORKFLOW
 from iris.controller.models import ControllerJobState
 from iris.controller.models import JobStatus as PeerJobStatus
-from iris.jobs import CancelOutcome, CancelRequest, JobState, JobStatus
+from iris.jobs import JobState, JobStatus
 from iris.policy.models import Availability, BackendReport, Band, PeerReport, Placement
 from iris.reports import FederationView
 from iris.store import FederationStore, HandleState, JobHandle, PromoteResult
-from iris.userauth import Action
 from workflows.job import JobWorkflow
 
 ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "1000"))
 PARALLEL = 24
 SEED = 20261130
-# Every job is this user's, its submission and cancels signed with its key.
-RACER = "race@example.com"
 PEER, BACKEND = "cw-race", "h100-race"
-METHODS = ("update", "signal", "temporal", "store")
-# Where the cancel aims, and how often.
-STAGES = ("queued", "placed", "promoting", "launching", "running")
-STAGE_WEIGHTS = (2, 2, 3, 2, 1)
-
-
-class Milestones:
-    """Per-job events the activities set, so a cancel can aim at a stage of the lifecycle."""
-
-    def __init__(self) -> None:
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
-
-    def event(self, job_id: str, stage: str) -> asyncio.Event:
-        return self._events.setdefault((job_id, stage), asyncio.Event())
-
-    def reach(self, job_id: str, stage: str) -> None:
-        self.event(job_id, stage).set()
 
 
 class StubPeer:
@@ -102,6 +69,9 @@ class StubPeer:
         self.terminated: set[str] = set()
         self.stopped: dict[str, asyncio.Event] = {}
         self.ends_at: dict[str, float] = {}
+
+    async def delivery(self, job_id: str) -> tuple[int, bool]:
+        return self.launches[job_id], job_id in self.terminated
 
     def _status(self, job_id: str, state: ControllerJobState) -> PeerJobStatus:
         return PeerJobStatus(
@@ -225,159 +195,16 @@ class JitteredStore(StoreActivities):
 
 
 @dataclass
-class Outcome:
-    job_id: str
-    method: str
-    stage: str
-    update: CancelOutcome | None = None
-    store_won: bool | None = None
-    final: JobStatus | None = None
-    cancelled_run: bool = False
-    deliveries: int = 0
-    terminated: bool = False
-    handle_state: HandleState | None = None
-    assigned_peer: str | None = None
-    problems: list[str] = field(default_factory=list)
-
-    def who_won(self) -> str:
-        if self.cancelled_run:
-            return "run CANCELED (a violation)"
-        if self.deliveries == 0:
-            return "cancel won" if self.assigned_peer is None else "CAS won, cancelled before handoff"
-        if self.final is not None and self.final.state is JobState.KILLED:
-            return "delivered, terminated"
-        return "delivered, cancel too late"
+class StubRace(Race[StubPeer]):
+    queue: JitteredStore = field(kw_only=True)
 
 
-@dataclass
-class Race:
-    stack: Stack
-    store: FederationStore
-    peer: StubPeer
-    queue: JitteredStore
-    milestones: Milestones
-    task_queue: str
-    rng: random.Random
-    started: list[str] = field(default_factory=list)
-
-    async def start(self, job_id: str) -> WorkflowHandle[JobWorkflow, JobStatus]:
-        self.started.append(job_id)
-        spec = build_spec(["true"], name=job_id.split("/")[1], user=RACER, device_type="h100", gpu_count=8)
-        # Signed by its user, as the SDK signs a submission (docs/DESIGN.md, "User → home").
-        signature = self.stack.iris.sign(Action.SUBMIT, RACER, spec.job_id, spec)
-        spec = spec.model_copy(update={"signature": signature})
-        return await self.stack.client.start_workflow(
-            JOB_WORKFLOW,
-            spec,
-            id=job_id,
-            task_queue=self.task_queue,
-            result_type=JobStatus,
-            execution_timeout=timedelta(minutes=5),
-        )
-
-    async def place(self, handle: WorkflowHandle[JobWorkflow, JobStatus], job_id: str) -> None:
-        placement = Placement(job_id=job_id, peer_id=PEER, backend_id=BACKEND, reason="race")
-        for _ in range(2 if self.rng.random() < 0.3 else 1):  # duplicate signals happen too
-            try:
-                await handle.signal(JobWorkflow.place, placement)
-            except RPCError:
-                return  # the workflow already ended
-        self.milestones.reach(job_id, "placed")
-
-    def cancel_request(self, o: Outcome) -> CancelRequest:
-        """The owner's signed cancel, as the CLI sends it."""
-        request = CancelRequest(reason="race")
-        signature = self.stack.iris.sign(Action.CANCEL, RACER, o.job_id, request)
-        return request.model_copy(update={"signature": signature})
-
-    async def cancel(self, handle: WorkflowHandle[JobWorkflow, JobStatus], o: Outcome) -> None:
-        try:
-            async with asyncio.timeout(30):
-                await self.milestones.event(o.job_id, o.stage).wait()
-        except TimeoutError:
-            o.problems.append(f"never reached stage {o.stage}")
-            return
-        await asyncio.sleep(self.rng.uniform(0, 0.012))
-        try:
-            if o.method == "update":
-                # As the CLI sends it: again if the server dropped it with a failed workflow task.
-                o.update = await execute_update(
-                    handle, JobWorkflow.cancel_job, self.cancel_request(o), CancelOutcome
-                )
-            elif o.method == "signal":
-                await handle.signal(JobWorkflow.cancel, self.cancel_request(o))
-            elif o.method == "temporal":
-                await handle.cancel()
-            else:
-                o.store_won = (await asyncio.to_thread(self.store.record_cancel, o.job_id, "operator")).won
-        except RPCError:
-            pass  # the workflow ended first: nothing was cancelled
-        except WorkflowUpdateRPCTimeoutOrCancelledError:
-            o.problems.append("the cancel Update got no answer within the RPC timeout")
-
-    async def iteration(self, i: int) -> Outcome:
-        method = METHODS[i % len(METHODS)]
-        stage = self.rng.choices(STAGES, STAGE_WEIGHTS)[0]
-        if method == "store" and stage in ("launching", "running"):
-            stage = "promoting"  # the store intent only competes with the CAS
-        job_id = f"race/{self.task_queue[-8:]}-{i:04d}"
-        o = Outcome(job_id=job_id, method=method, stage=stage)
-        handle = await self.start(job_id)
-        canceller = asyncio.create_task(self.cancel(handle, o))
-        try:
-            async with asyncio.timeout(30):
-                await self.milestones.event(job_id, "queued").wait()
-            await asyncio.sleep(self.rng.uniform(0, 0.01))
-            await self.place(handle, job_id)
-        except TimeoutError:
-            pass  # cancelled before it was ever queued
-        await canceller
-        try:
-            async with asyncio.timeout(60):
-                o.final = await handle.result()
-        except TimeoutError:
-            o.problems.append("not terminal within 60 s")
-        except WorkflowFailureError:
-            o.cancelled_run = True
-        stored = await asyncio.to_thread(self.store.get, job_id)
-        o.deliveries = self.peer.launches[job_id]
-        o.terminated = job_id in self.peer.terminated
-        if stored is not None:
-            o.handle_state, o.assigned_peer = stored.state, stored.assigned_peer
-        judge(o)
-        return o
-
-
-def judge(o: Outcome) -> None:
-    if o.deliveries > 1:
-        o.problems.append(f"delivered {o.deliveries} times")
-    if o.update is not None and o.update.won and o.deliveries:
-        o.problems.append("the Update reported the cancel won, yet the job was delivered")
-    if o.store_won and o.deliveries:
-        o.problems.append("the store recorded the cancel first, yet the job was delivered")
-    if o.deliveries and o.assigned_peer is None:
-        o.problems.append("delivered without a won promotion CAS")
-    if o.cancelled_run:
-        # A Temporal cancel must converge on the job's own cancel path (ends KILLED, bookkeeping
-        # done), not end the run as CANCELED — what an ActivityError(CancelledError) once did.
-        o.problems.append("the run itself ended CANCELED instead of the job ending KILLED")
-    if o.final is None:
-        return
-    state = o.final.state
-    if state not in (JobState.KILLED, JobState.SUCCEEDED):
-        o.problems.append(f"unexpected final state {state}: {o.final.reason}")
-    if state is JobState.KILLED and o.deliveries and not o.terminated:
-        o.problems.append("killed at home but never terminated on the peer")
-    if o.update is not None and o.update.won and state is not JobState.KILLED:
-        o.problems.append(f"the cancel won but the job ended {state}")
-    expected = {JobState.KILLED: HandleState.KILLED, JobState.SUCCEEDED: HandleState.SUCCEEDED}.get(state)
-    never_queued = o.handle_state is None and state is JobState.KILLED and not o.deliveries
-    if expected is not None and o.handle_state is not expected and not never_queued:
-        o.problems.append(f"job {state} but its store handle is {o.handle_state}")
+def stub_placement(job_id: str) -> Placement:
+    return Placement(job_id=job_id, peer_id=PEER, backend_id=BACKEND, reason="race")
 
 
 @pytest.fixture
-async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
+async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[StubRace]:
     rng = random.Random(SEED)
     milestones = Milestones()
     task_queue = f"iris-race-{uuid.uuid4().hex[:8]}"
@@ -411,59 +238,21 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[Race]:
     )
     try:
         async with worker:
-            race = Race(stack, store, peer, queue, milestones, task_queue, rng)
+            race = StubRace(stack, store, peer, milestones, task_queue, rng, stub_placement, queue=queue)
             yield race
-            await forget(stack, race)
+            await forget(stack, race.started)
     finally:
         store.close()
 
 
-async def forget(stack: Stack, race: Race) -> None:
-    """Delete this fixture's executions: a thousand stub-peer runs would only slow the session's
-    later list, replay and scan tests down."""
-    gate = asyncio.Semaphore(16)
-
-    async def delete(workflow_id: str) -> None:
-        async with gate:
-            with contextlib.suppress(RPCError):
-                await stack.client.workflow_service.delete_workflow_execution(
-                    DeleteWorkflowExecutionRequest(
-                        namespace=stack.client.namespace,
-                        workflow_execution=WorkflowExecution(workflow_id=workflow_id),
-                    )
-                )
-
-    await asyncio.gather(*(delete(job_id) for job_id in race.started))
-
-
 @pytest.mark.timeout(900)
-async def test_cancel_racing_promotion_1000_times_never_violates(race: Race) -> None:
-    started = time.monotonic()
-    gate = asyncio.Semaphore(PARALLEL)
-
-    async def bounded(i: int) -> Outcome:
-        async with gate:
-            return await race.iteration(i)
-
-    outcomes = await asyncio.gather(*(bounded(i) for i in range(ITERATIONS)))
-    elapsed = time.monotonic() - started
+async def test_cancel_racing_promotion_1000_times_never_violates(race: StubRace) -> None:
+    run = await run_race(race, ITERATIONS, PARALLEL)
     listed = await race.stack.client.count_workflows(f"TaskQueue = '{race.task_queue}'")
     assert listed.count == ITERATIONS  # (deleted by the fixture afterwards)
-
-    wins: Counter[tuple[str, str]] = Counter((o.method, o.who_won()) for o in outcomes)
-    violations = [f"{o.job_id} ({o.method} at {o.stage}): {p}" for o in outcomes for p in o.problems]
-    print(f"\ncancel vs promotion: {ITERATIONS} iterations in {elapsed:.0f}s, {PARALLEL} at a time")
-    for method in METHODS:
-        row = {who: n for (m, who), n in sorted(wins.items()) if m == method}
-        print(f"  {method:<9} " + "  ".join(f"{who}: {n}" for who, n in row.items()))
-    deliveries, terminations = sum(o.deliveries for o in outcomes), sum(o.terminated for o in outcomes)
-    print(f"  deliveries {deliveries}, terminations {terminations}, violations {len(violations)}")
-    assert violations == [], "\n".join(violations[:30])
-    # The race was real: cancels won some of it and lost some of it.
-    whos = {who for _, who in wins}
-    assert "cancel won" in whos and (
-        "delivered, terminated" in whos or "delivered, cancel too late" in whos
-    ), wins
+    print("\n" + run.summary())
+    assert run.violations == [], "\n".join(run.violations[:30])
+    assert run.was_a_race(), run.wins
 
 
 # ---- deterministic reproductions of what the race found ----------------------------------------
@@ -473,7 +262,7 @@ async def test_cancel_racing_promotion_1000_times_never_violates(race: Race) -> 
 # (the job ended KILLED with its store handle left QUEUED_HANDOFF for every later tick to plan).
 
 
-async def test_a_temporal_cancel_while_classifying_kills_the_job(race: Race) -> None:
+async def test_a_temporal_cancel_while_classifying_kills_the_job(race: StubRace) -> None:
     race.peer.report_delay_s = 1.0  # the cancel lands while fetch_reports runs
     handle = await race.start(f"race/classifying-{uuid.uuid4().hex[:6]}")
     async with asyncio.timeout(30):
@@ -483,7 +272,7 @@ async def test_a_temporal_cancel_while_classifying_kills_the_job(race: Race) -> 
     assert final.state is JobState.KILLED
 
 
-async def test_a_temporal_cancel_during_enqueue_leaves_no_queued_handle(race: Race) -> None:
+async def test_a_temporal_cancel_during_enqueue_leaves_no_queued_handle(race: StubRace) -> None:
     race.queue.enqueue_delay_s = 1.0  # the cancel lands while the handle is being written
     job_id = f"race/enqueueing-{uuid.uuid4().hex[:6]}"
     handle = await race.start(job_id)

@@ -230,7 +230,12 @@ def restart(ctl: Controller, ready_timeout: float = 30.0) -> Controller:
             cwd=PROJECT_ROOT,
         )
     new = Controller(**{**ctl.__dict__, "proc": proc})
-    wait_ready(new, ready_timeout)
+    try:
+        wait_ready(new, ready_timeout)
+    except BaseException:
+        # The caller still holds the old handle: stop the new process here, or it outlives the test.
+        new.stop()
+        raise
     return new
 
 

@@ -89,12 +89,16 @@ async def test_cpu_slots_are_reported_free_promised_and_held_by_band(tmp_path: P
             assert batch.state is S.RUNNING
             assert await block(c) == ({"cpu": 2}, {3: {"cpu": 2}})
             # Three replicas do not fit in the two free slots: PENDING, and promised what is free.
-            waiting = await c.launch(request(sleep, job_id="cpu/waiting", backend_id="cpu", replicas=3))
+            # Batch too: a higher band would preempt the running batch job (docs/DESIGN.md,
+            # "Preemption"; tests/preemption covers that).
+            waiting = await c.launch(
+                request(sleep, job_id="cpu/waiting", backend_id="cpu", replicas=3, band=Band.BATCH)
+            )
             assert waiting.state is S.PENDING
             assert await block(c) == ({"cpu": 0}, {3: {"cpu": 2}})
             await c.terminate("cpu/batch")
             await poll(
-                lambda: block(c), lambda b: b == ({"cpu": 1}, {2: {"cpu": 3}}), what="the waiting job runs"
+                lambda: block(c), lambda b: b == ({"cpu": 1}, {3: {"cpu": 3}}), what="the waiting job runs"
             )
             await c.terminate("cpu/waiting")
             await poll(lambda: block(c), lambda b: b == ({"cpu": 4}, {}), what="every slot free again")
@@ -267,7 +271,8 @@ async def test_unavailable_when_nothing_listens() -> None:
 
 
 async def test_slot_accounting_queue_and_bands(tmp_path: Path) -> None:
-    """Jobs wait when the backend is full, start in (band, arrival) order, and the report is exact."""
+    """Jobs wait when the backend is full, start in (band, arrival) order, and the report is exact.
+    The running jobs are production: nothing waiting may preempt them (docs/DESIGN.md, "Preemption")."""
     peer = cluster("peer", backends=[gpu_backend(slots=8)])
     cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
     ctl = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"])
@@ -282,12 +287,12 @@ async def test_slot_accounting_queue_and_bands(tmp_path: Path) -> None:
                 assert amounts.pop("cpu") == 4  # the CPU slots: GPU jobs take none
                 return amounts, {int(h.band): h.amounts for h in a.held_by_band}
 
-            a = await c.launch(request(sleeper, job_id="q/a", gpus=6, band=Band.BATCH))
+            a = await c.launch(request(sleeper, job_id="q/a", gpus=6, band=Band.PRODUCTION))
             assert a.state is S.RUNNING
-            assert await avail() == ({"h100": 2}, {3: {"h100": 6}})
+            assert await avail() == ({"h100": 2}, {1: {"h100": 6}})
             b = await c.launch(request(sleeper, job_id="q/b", gpus=2, band=Band.PRODUCTION))
             assert b.state is S.RUNNING
-            assert await avail() == ({"h100": 0}, {1: {"h100": 2}, 3: {"h100": 6}})
+            assert await avail() == ({"h100": 0}, {1: {"h100": 8}})
             # Full: these wait on the controller. "late-prod" overtakes "batch" (band first).
             w1 = await c.launch(request(sleeper, job_id="q/batch", gpus=4, band=Band.BATCH))
             w2 = await c.launch(request(sleeper, job_id="q/late-prod", gpus=4, band=Band.PRODUCTION))

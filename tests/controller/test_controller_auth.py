@@ -412,6 +412,12 @@ async def test_job_access_only_for_its_requester_or_an_admin(world: AuthWorld) -
             with pytest.raises(PermissionDenied):
                 await call
         assert req.job_id not in [j.job_id for j in await other.list_jobs()]
+        # Nor learn of it from the change feed (its changes, or its removal).
+        listing = await other.jobs_page()
+        assert req.job_id not in [j.job_id for j in listing.jobs]
+        assert listing.cursor is not None
+        seen = await other.changes(listing.cursor.rsplit("-", 1)[0] + "-0")
+        assert not seen.resync and req.job_id not in [j.job_id for j in seen.jobs]
         with pytest.raises(AlreadyExists):
             await other.launch(req.model_copy(update={"requester": "other"}))
         # The owner and an admin can.

@@ -28,13 +28,17 @@ from workflows.job import (
     AUTH_PATCH,
     BUNDLE_PATCH,
     EARLIER_ATTEMPT_PATCH,
+    FEED_PATCH,
     HOME_LEDGER_PATCH,
     LOCAL_STEPS_PATCH,
+    PREEMPT_PATCH,
+    REASON_PATCH,
     TERMINAL_LAUNCH_PATCH,
     JobWorkflow,
 )
 from workflows.placement import PlacementManager
 from workflows.runner import workflow_runner
+from workflows.watch import PeerWatch
 
 # The main paths (docs/DESIGN.md, "Job states") the recorder drives; each must stay covered.
 REQUIRED = {
@@ -47,6 +51,7 @@ REQUIRED = {
     "parked_replayed",
     "deadline_unschedulable",
     "placement_manager",
+    "peer_watch",
 }
 # Paths added later, each behind its own patch: the history must show the patched path was taken.
 PATCHED_PATHS = {
@@ -62,9 +67,18 @@ PATCHED_PATHS = {
     # Issue 16: a signed submission whose bare cancel signal is ignored; an unsigned start rejected.
     "unsigned_cancel_ignored": AUTH_PATCH,
     "unsigned_submission_rejected": AUTH_PATCH,
+    # Issue 17: a running job followed through its cluster's watcher's signals, not a poller.
+    "followed_by_watcher": FEED_PATCH,
+    # Issue 18: the tick's explain_reason {reason, code}, and IrisReason upserted per change of code
+    # (a job that waits for capacity and is cancelled; one whose pinned peer is down, then runs).
+    "explained_then_cancelled": REASON_PATCH,
+    "explained_then_run": REASON_PATCH,
+    # Issue 19: a batch job preempted on its peer for an interactive one, queued again (Preempted)
+    # as its second attempt, which succeeds.
+    "preempted_requeued": PREEMPT_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
-REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager"}}
+REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}
 HISTORY_DIR = Path(__file__).parent / "histories"
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
 
@@ -98,7 +112,7 @@ def patches(path: Path) -> set[str]:
 def test_pre_patch_histories_take_the_unpatched_path() -> None:
     for path in HISTORY_DIR.glob("v1-*.json"):
         assert LOCAL_STEPS_PATCH not in patches(path), f"{path.name} was recorded with the patch"
-    for name in REQUIRED - {"placement_manager"}:
+    for name in REQUIRED - {"placement_manager", "peer_watch"}:
         assert LOCAL_STEPS_PATCH in patches(HISTORY_DIR / f"{name}.json"), f"{name} predates the patch"
 
 
@@ -106,7 +120,7 @@ def test_later_paths_are_recorded_through_their_patches() -> None:
     for name, patch in PATCHED_PATHS.items():
         assert patch in patches(HISTORY_DIR / f"{name}.json"), f"{name} did not take {patch}"
     # The older histories predate both: they keep the unpatched branches replayable.
-    for name in REQUIRED - {"placement_manager"}:
+    for name in REQUIRED - {"placement_manager", "peer_watch"}:
         assert not patches(HISTORY_DIR / f"{name}.json") & set(PATCHED_PATHS.values()), name
 
 
@@ -114,7 +128,7 @@ def test_later_paths_are_recorded_through_their_patches() -> None:
 async def test_committed_history_replays_against_the_current_code(path: Path) -> None:
     history = load(path)
     replayer = Replayer(
-        workflows=[JobWorkflow, PlacementManager],
+        workflows=[JobWorkflow, PlacementManager, PeerWatch],
         data_converter=pydantic_data_converter,
         workflow_runner=workflow_runner(),
     )

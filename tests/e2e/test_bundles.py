@@ -48,7 +48,9 @@ print("files:", ",".join(shipped))
 print("cluster:", os.environ["IRIS_CLUSTER"])
 """
 SHIPPED = ".gitignore,.irisignore,data/config.txt,helper.py,keep.ckpt,my_training_script.py"
-MAX_HISTORY_BYTES = 64 * 1024
+# A size check besides the content check: the history holds a few status signals from the job's
+# cluster's watcher (each a whole job status, docs/DESIGN.md "The change feed"), never the bundle.
+MAX_HISTORY_BYTES = 128 * 1024
 PINNED = {"device_type": "h100", "gpu_count": 8, "target_cluster": "cw-us-east-02a"}
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack import VENV_BIN, free_port_config, wait_until
+from devprocess import DevProcess
+from stack import free_port_config, wait_until
 
 from iris import devstack
 from iris.config import FederationConfig, load_config
-from iris.userauth import USER_KEY_DIR_ENV
 
 
 def _pids_mentioning(marker: str) -> list[int]:
@@ -32,52 +32,6 @@ def _pids_mentioning(marker: str) -> list[int]:
         if marker in cmdline:
             pids.append(int(entry.name))
     return pids
-
-
-class DevStack:
-    def __init__(self, config_file: Path, data_dir: Path) -> None:
-        self.config_file = config_file
-        self.data_dir = data_dir
-        self.proc: asyncio.subprocess.Process | None = None
-        self.output: list[str] = []
-        # The newcomer: `iris dev` creates and registers (admin) their user key on first start.
-        self.env = {
-            **os.environ,
-            "IRIS_USER": "newcomer",
-            USER_KEY_DIR_ENV: str(data_dir.parent / "user-keys"),
-        }
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            str(VENV_BIN / "iris"), "--config", str(self.config_file),
-            "dev", "--data-dir", str(self.data_dir),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=self.env,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        async with asyncio.timeout(120):
-            while True:
-                line = (await self.proc.stdout.readline()).decode()
-                if not line:
-                    raise AssertionError("iris dev exited during start:\n" + "".join(self.output))
-                self.output.append(line)
-                if line.startswith("Ready."):
-                    return
-
-    async def stop(self) -> int:
-        assert self.proc is not None and self.proc.stdout is not None
-        self.proc.send_signal(signal.SIGINT)
-        rest = await asyncio.wait_for(self.proc.stdout.read(), 60)
-        self.output.append(rest.decode())
-        return await asyncio.wait_for(self.proc.wait(), 30)
-
-    async def iris(self, *args: str) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(
-            str(VENV_BIN / "iris"), *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**self.env, "IRIS_CONFIG": str(self.config_file)},
-        )  # fmt: skip
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
-        return proc.returncode or 0, out.decode(), err.decode()
 
 
 def _ports(cfg: FederationConfig) -> list[int]:
@@ -96,7 +50,15 @@ async def test_iris_dev_runs_the_stack_stops_cleanly_and_keeps_jobs(tmp_path: Pa
     config_file = tmp_path / "dev-config.json"
     config_file.write_text(cfg.model_dump_json())
     data_dir = tmp_path / "data"
-    dev = DevStack(config_file, data_dir)
+    dev = DevProcess(
+        config_file,
+        data_dir,
+        # Free ports, not the defaults: another stack (a developer's own iris dev) may hold them.
+        "--worker-metrics",
+        f"127.0.0.1:{devstack.free_port()}",
+        "--temporal-metrics-port",
+        str(devstack.free_port()),
+    )
     await dev.start()
     try:
         text = "".join(dev.output)
@@ -160,6 +122,8 @@ class PtyDev:
         self.argv = [
             str(UV), "run", "--project", str(PROJECT_ROOT), "--frozen",
             "iris", "--config", str(config_file), "dev", "--data-dir", str(data_dir),
+            "--worker-metrics", f"127.0.0.1:{devstack.free_port()}",
+            "--temporal-metrics-port", str(devstack.free_port()),
         ]  # fmt: skip
         self.output = bytearray()
         self.proc: asyncio.subprocess.Process | None = None

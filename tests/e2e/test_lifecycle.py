@@ -353,6 +353,24 @@ async def test_logs_follow_streams_until_the_job_ends(stack: Stack) -> None:
     assert (await stack.iris.describe(job_id)).state is JobState.SUCCEEDED
 
 
+async def test_the_logs_of_a_running_job_are_current_without_following(stack: Stack) -> None:
+    """A running job's home copy is refreshed only every few minutes (docs/DESIGN.md, "The change
+    feed"); `iris job logs` asks for a refresh first, so it shows what the job has written."""
+    job_id = await stack.iris.submit(
+        ["sh", "-c", "echo early; sleep 1; echo later; sleep 300"],
+        name="current",
+        target_cluster="cw-us-east-02a",
+    )
+    try:
+        await wait_state(stack, job_id, JobState.RUNNING)
+        await asyncio.sleep(2)  # both lines written on the peer
+        res = await stack.cli("job", "logs", job_id)
+        assert res.code == 0, res.stderr
+        assert res.stdout.splitlines() == ["early", "later"]
+    finally:
+        await stack.iris.cancel(job_id, "test over")
+
+
 async def test_the_stacks_controllers_admit_only_signed_requests(stack: Stack) -> None:
     """docs/DESIGN.md, "Handoff and admission", in the running stack: handoffs above were signed; an
     unsigned caller is refused."""

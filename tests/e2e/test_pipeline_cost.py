@@ -49,9 +49,11 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     )
     # The capacity read keeps the first workflow task free of local activities (an Update accepted
     # there); the promotion CAS stays on the queue so an operator's reset finds its answer.
-    # Each attempt is followed by follow_job (docs/DESIGN.md, "Attempts"). The submitter's
-    # signature is checked first, on the queue like the capacity read (docs/DESIGN.md, "User → home").
-    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1, "follow_job": 1}
+    # The attempt is followed through its cluster's watcher, with no activity while it runs; one
+    # mirror_job reads its end and relays its output (docs/DESIGN.md, "The change feed"). The
+    # submitter's signature is checked first, on the queue like the capacity read (docs/DESIGN.md,
+    # "User → home").
+    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1, "mirror_job": 1}
     assert scheduled == Counter(expected), scheduled
     markers = [
         e.marker_recorded_event_attributes

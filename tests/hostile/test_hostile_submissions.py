@@ -118,7 +118,7 @@ CLI_CASES: list[CliCase] = [
     case("user-oversized", "job", "run", "--", "true", expect="invalid user", IRIS_USER="u" * 300),
 ]
 USAGE_ERRORS = [
-    case("no-command", "job", "run", "--", expect="Missing argument"),
+    case("no-command", "job", "run", "--", expect="no command given"),
     case("gpus-not-a-number", "job", "run", "--gpu-count", "eight", "--", "true", expect="--gpu-count"),
 ]
 

@@ -1,10 +1,10 @@
 """What the placement tests share: a stand-in job workflow, the federation as the tick sees it.
 
 The job workflows the tick signals are a stand-in registered under the JobWorkflow type name
-(``StandInJob``): it waits, records the ``explain`` reasons it receives and ends when told to, so a
-test decides when a job's workflow closes and how (terminated, reset, completed). The tick's
-activity methods run inside ``ActivityEnvironment`` with the dev server's client, as the worker
-would run them.
+(``StandInJob``): it waits, records the reasons (and their codes) the tick's ``explain_reason``
+signals bring and ends when told to, so a test decides when a job's workflow closes and how
+(terminated, reset, completed). The tick's activity methods run inside ``ActivityEnvironment`` with
+the dev server's client, as the worker would run them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from activities.placement import PlacementActivities
 from iris import contract, devstack
 from iris.config import FederationConfig
 from iris.controller.client import ControllerClient
+from iris.jobs import WaitReason
 from iris.policy.models import (
     Availability,
     BackendReport,
@@ -55,6 +56,7 @@ class StandInJob:
 
     def __init__(self) -> None:
         self._explained: list[str] = []
+        self._codes: list[str] = []
         self._placed: list[str] = []
         self._done = False
 
@@ -62,9 +64,10 @@ class StandInJob:
     async def run(self, job_id: str) -> None:
         await workflow.wait_condition(lambda: self._done)
 
-    @workflow.signal(name=contract.EXPLAIN)
-    def explain(self, reason: str) -> None:
-        self._explained.append(reason)
+    @workflow.signal(name=contract.EXPLAIN_REASON)
+    def explain_reason(self, why: WaitReason) -> None:
+        self._explained.append(why.reason)
+        self._codes.append(why.code.value)
 
     @workflow.signal(name=contract.PLACE)
     def place(self, placement: Placement) -> None:
@@ -81,6 +84,10 @@ class StandInJob:
     @workflow.query
     def explained(self) -> list[str]:
         return self._explained
+
+    @workflow.query
+    def codes(self) -> list[str]:
+        return self._codes
 
     @workflow.query
     def placed(self) -> list[str]:

@@ -102,6 +102,8 @@ async def test_fluctuating_capacity_sends_one_explain_per_change_of_substance(
         f"{queued}full on cw-b (needs 8 h100); {home}; cw-a unreachable",
         f"{queued}full on cw-a, cw-b (needs 8 h100); {home}",
     ]
+    # Each with its code: a peer answers full in every phase, so NoCapacity throughout.
+    assert await jobs.handle(job_id).query("codes") == ["NoCapacity"] * 4
     handle = store.get(job_id)
     assert handle is not None and handle.reason == received[-1]
     await jobs.handle(job_id).signal("finish")

@@ -16,26 +16,16 @@ import pytest
 # The controller tests' harness (real controller processes, configs, polling) is shared.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
 
-from ray_harness import SCENARIOS, TcpProxy, resource
+from ray_harness import SCENARIOS, TcpProxy, local_head, resource
 
 from iris import devstack
 
 
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayHeadSpec]:
-    spec = devstack.RayHeadSpec(
-        dashboard_port=devstack.free_port(),
-        gcs_port=devstack.free_port(),
-        resources={resource(s): float(n) for s, n in SCENARIOS.items()},
-        num_cpus=4,
-    )
-    head = devstack.ray_head(spec, tmp_path_factory.mktemp("ray"))
-    head.start()
-    try:
-        head.wait_ready(120)
+    resources = {resource(s): float(n) for s, n in SCENARIOS.items()}
+    with local_head(resources, 4, tmp_path_factory.mktemp("ray")) as spec:
         yield spec
-    finally:
-        devstack.stop_ray_head(head)
 
 
 @pytest.fixture

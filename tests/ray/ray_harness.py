@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from iris import devstack
@@ -15,6 +17,25 @@ SCENARIOS = {"jobs": 16, "cap": 8, "down": 8, "restart": 8, "e2e": 8}
 
 def resource(scenario: str) -> str:
     return f"t-{scenario}/h100"
+
+
+@contextlib.contextmanager
+def local_head(resources: dict[str, float], num_cpus: int, root: Path) -> Iterator[devstack.RayHeadSpec]:
+    """A real Ray head of the caller's own, on free ports, with these custom resources; stopped
+    (only this head, never ``ray stop``) when the block ends."""
+    spec = devstack.RayHeadSpec(
+        dashboard_port=devstack.free_port(),
+        gcs_port=devstack.free_port(),
+        resources=resources,
+        num_cpus=num_cpus,
+    )
+    head = devstack.ray_head(spec, root)
+    head.start()
+    try:
+        head.wait_ready(120)
+        yield spec
+    finally:
+        devstack.stop_ray_head(head)
 
 
 def ray_backend(

@@ -231,12 +231,14 @@ async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
             assert held.amounts == {"h100": 2} and held.total_amounts == {"h100": 8}
             assert [(h.band, h.amounts) for h in held.held_by_band] == [(Band.BATCH, {"h100": 6})]
 
-            # A job Ray cannot start yet (4 > 2 free) waits in Ray; its demand is not free either.
-            waiting = request(["true"], gpus=4, band=Band.PRODUCTION, backend_id="ray-h100")
+            # A job that does not fit yet (4 > 2 free) waits; its demand is not free either. Batch
+            # like the running job, so it preempts nothing (docs/DESIGN.md, "Preemption").
+            waiting = request(["true"], gpus=4, band=Band.BATCH, backend_id="ray-h100")
             await c.launch(waiting)
             assert (await availability(c)).amounts == {"h100": 0}
             await asyncio.sleep(1.5)
             assert (await c.status(waiting.job_id)).state is S.PENDING
+            assert (await c.status(batch.job_id)).state is S.RUNNING
 
             await c.terminate(batch.job_id)
             await wait_terminal(c, waiting.job_id, timeout=60)

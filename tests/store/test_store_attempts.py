@@ -67,14 +67,14 @@ def test_migrations_apply_to_a_store_created_at_schema_1(stores: Stores) -> None
         assert "fences" not in tables
 
     store = stores.open()
-    assert store.schema_versions() == [1, 2, 3] == [m.version for m in MIGRATIONS]
+    assert store.schema_versions() == [1, 2, 3, 4] == [m.version for m in MIGRATIONS]
     assert store.get("old") == old.model_copy(update={"updated_ms": 0})
     store.add_fence("old", "n1", PEER)
     assert [(f.job_id, f.nonce, f.cluster) for f in store.fences()] == [("old", "n1", PEER)]
     # The reservation written before migration 3 is kept; it has no acceptance time yet.
     assert [(r.job_id, r.amounts) for r in store.reservations()] == [("old", {"h100": 8})]
     # Opening again applies nothing more.
-    assert stores.open().schema_versions() == [1, 2, 3]
+    assert stores.open().schema_versions() == [1, 2, 3, 4]
 
 
 def _tables(conn: Connection, stores: Stores) -> set[str]:

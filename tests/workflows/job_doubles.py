@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import SearchAttributeKey
 from temporalio.converter import decode_typed_search_attributes
 from temporalio.exceptions import ApplicationError
@@ -237,6 +237,8 @@ class FakeFederation:
     # (cluster, nonce) of every launch a cluster accepted: a second run would be a second entry.
     deliveries: list[tuple[str, str]] = field(default_factory=list)
     mirror_calls: list[tuple[str, str | None]] = field(default_factory=list)
+    # Every follow_job call's input (how long it was allowed to wait, for whom).
+    follows: list[FollowInput] = field(default_factory=list)
     terminations: list[str] = field(default_factory=list)
     # (cluster, nonce) of every attempt the workflow asked the store to fence.
     fences: list[tuple[str, str]] = field(default_factory=list)
@@ -487,6 +489,7 @@ class FakeFederation:
         ``gone``, a silent cluster is reported silent (for report_unreachable_s, simulated)."""
         await self._enter(contract.FOLLOW_JOB)
         self.mirror_calls.append((inp.cluster, inp.known_state))
+        self.follows.append(inp)
         if inp.cluster in self.silent:
             return FollowResult(unreachable_s=inp.report_unreachable_s, error="connection refused")
         key = (inp.cluster, inp.job_id)
@@ -502,6 +505,9 @@ class FakeFederation:
             if isinstance(step, Exception):
                 raise step
             return FollowResult(status=self._reported(key, self._set_remote(key, step)))
+        if inp.max_wait_s <= 0:
+            # Asked for one answer (a safety poll): the status as it is now.
+            return FollowResult(status=self._reported(key, current))
         while (
             (current := self.remote.get(key)) is not None
             and current.state.value == inp.known_state
@@ -717,6 +723,17 @@ async def start_job(
 
 async def status(handle: WorkflowHandle[Any, JobStatus]) -> JobStatus:
     return await handle.query(JobWorkflow.status)
+
+
+async def listed(client: Client, query: str, *, timeout: float = 10.0) -> list[str]:
+    """The workflow ids a visibility query finds: polled until it finds any (visibility lags the
+    upsert), or an empty list after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = [w.id async for w in client.list_workflows(query)]
+        if ids or time.monotonic() > deadline:
+            return ids
+        await asyncio.sleep(0.1)
 
 
 async def wait_for(

@@ -33,6 +33,7 @@ from iris import contract
 from iris.config import BackendConfig, ClusterConfig, FederationConfig, UserConfig
 from iris.jobs import CancelRequest, JobSpec, JobState, JobStatus, ReplayRequest
 from iris.policy.models import Band
+from iris.policy.reasons import ReasonCode
 from iris.userauth import Action, audience, public_key_text, request_digest, sign_request
 from workflows.job import JobWorkflow
 
@@ -170,6 +171,7 @@ async def test_an_unverified_submission_ends_rejected_and_starts_nothing(
     st = await fed.result(handle)
     assert st.state is JobState.REJECTED, st.reason
     assert st.reason.startswith("submission refused:") and why in st.reason, st.reason
+    assert st.reason_code is ReasonCode.SubmissionRefused
     # Nothing reached classification, the queue or a cluster.
     assert fed.fake.calls == [contract.VERIFY_REQUEST]
     assert fed.fake.enqueued == [] and fed.fake.launch_attempts == [] and fed.fake.delivered == 0

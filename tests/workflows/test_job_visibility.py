@@ -4,10 +4,7 @@ workflow upserts them."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-from job_doubles import BUNDLE, HOME, PEER, Federation, cpu_spec, gpu_spec, upserted, wait_for
+from job_doubles import BUNDLE, HOME, PEER, Federation, cpu_spec, gpu_spec, listed, upserted, wait_for
 
 from iris.contract import MEMO_REASON, SA_PEER, SA_STATE
 from iris.controller.models import ControllerJobState
@@ -74,22 +71,14 @@ async def test_the_web_ui_filter_finds_a_job_by_its_state_and_peer(dev_fed: Fede
     client = fed.env.client
     fed.fake.mirror = []
 
-    async def listed(query: str) -> list[str]:
-        deadline = time.monotonic() + 10
-        while True:
-            ids = [w.id async for w in client.list_workflows(query)]
-            if ids or time.monotonic() > deadline:
-                return ids
-            await asyncio.sleep(0.1)
-
     handle = await fed.queued(gpu_spec("findable", fed.now_ms))
-    assert await listed(f'WorkflowId = "{handle.id}" AND IrisState = "QUEUED_HANDOFF"') == [handle.id]
+    assert await listed(client, f'WorkflowId = "{handle.id}" AND IrisState = "QUEUED_HANDOFF"') == [handle.id]
 
     await fed.place(handle)
     await wait_for(handle, lambda st: st.state is JobState.RUNNING, "ran")
-    assert await listed(f'WorkflowId = "{handle.id}" AND IrisState = "RUNNING" AND IrisPeer = "{PEER}"') == [
-        handle.id
-    ]
+    assert await listed(
+        client, f'WorkflowId = "{handle.id}" AND IrisState = "RUNNING" AND IrisPeer = "{PEER}"'
+    ) == [handle.id]
     fed.fake.set_remote_state(PEER, handle.id, ControllerJobState.SUCCEEDED)
     await fed.result(handle)
-    assert await listed(f'WorkflowId = "{handle.id}" AND IrisState = "SUCCEEDED"') == [handle.id]
+    assert await listed(client, f'WorkflowId = "{handle.id}" AND IrisState = "SUCCEEDED"') == [handle.id]

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from iris.config import ClusterConfig
@@ -20,7 +21,8 @@ from iris.controller.bundles import BundleStore
 from iris.controller.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from iris.controller.executors.base import Backend, BackendUnreachable, log_path_for
 from iris.controller.executors.process import ProcessBackend, kill_leftovers, settle_lost_run
-from iris.controller.models import ControllerJobState, LaunchRequest, LogChunk
+from iris.controller.feed import ChangeFeed
+from iris.controller.models import ChangeList, ControllerJobState, JobList, LaunchRequest, LogChunk
 from iris.controller.state import JobRecord, StateStore, now_ms
 from iris.policy.models import BackendReport
 
@@ -59,6 +61,7 @@ class Executor:
             b.id: make_backend(cluster, i, self, kill_grace_s) for i, b in enumerate(cluster.backends)
         }
         self._changed: dict[str, asyncio.Event] = {}
+        self.feed = ChangeFeed()
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
         (state_dir / "work").mkdir(parents=True, exist_ok=True)
         self._bundles = BundleStore(state_dir / "bundles")
@@ -79,7 +82,13 @@ class Executor:
         return self._bundles
 
     def save(self, job: JobRecord) -> None:
+        """Persist the job's record; the change feed sees it (docs/DESIGN.md, "The change feed")."""
         self.store.save(job)
+        self._changed_in_feed(job)
+
+    def _changed_in_feed(self, job: JobRecord) -> None:
+        self.feed.touch(job.job_id)
+        job.epoch, job.version = self.feed.epoch, self.feed.version
 
     def settle(
         self,
@@ -96,7 +105,7 @@ class Executor:
         for task in job.tasks:
             if not task.state.terminal:
                 task.state = state
-        self.store.save(job)
+        self.save(job)
         self.notify(job.job_id)
 
     def notify(self, job_id: str) -> None:
@@ -113,6 +122,7 @@ class Executor:
         orphans: list[JobRecord] = []
         for job in jobs:
             self.jobs[job.job_id] = job
+            self._changed_in_feed(job)
             if job.terminal:
                 continue
             if job.backend_id in live:
@@ -135,6 +145,40 @@ class Executor:
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(b.shutdown() for b in self.backends.values()))
+
+    # ---- retention (docs/DESIGN.md, "Retention") -------------------------------------------
+
+    def expiring(self, runs: list[tuple[str, str]], cutoff_ms: int) -> list[JobRecord]:
+        """Those of these (job id, run id) that retention may remove: still that run, terminal,
+        and finished at or before ``cutoff_ms`` (this table is the truth; the store's index only
+        proposes them)."""
+        found = []
+        for job_id, run_id in runs:
+            job = self.jobs.get(job_id)
+            if (
+                job is not None
+                and job.run_id == run_id
+                and job.terminal
+                and job.finished_ms is not None
+                and job.finished_ms <= cutoff_ms
+            ):
+                found.append(job)
+        return found
+
+    def forget(self, runs: list[tuple[str, str]]) -> int:
+        """Drop these (job id, run id), whose files and records retention removed, from the job
+        table; readers of the change feed see a tombstone. A job relaunched since (another run) is
+        kept. Returns how many were dropped."""
+        dropped = 0
+        for job_id, run_id in runs:
+            job = self.jobs.get(job_id)
+            if job is None or job.run_id != run_id or not job.terminal:
+                continue
+            del self.jobs[job_id]
+            self._changed.pop(job_id, None)
+            self.feed.forget(job_id, job.requester)
+            dropped += 1
+        return dropped
 
     # ---- API operations --------------------------------------------------------------------
 
@@ -167,8 +211,9 @@ class Executor:
                 f"upload it first (PUT /v1/bundles/{req.bundle.sha256})"
             )
         job = JobRecord.new(req, seq=self.store.next_seq(), run_id=uuid.uuid4().hex, attempts=attempts)
-        self.store.save(job)
+        self.jobs.pop(job.job_id, None)
         self.jobs[job.job_id] = job
+        self.save(job)
         log.info(
             "job %s accepted: backend=%s band=%s requester=%s user=%s attempt=%d",
             job.job_id,
@@ -188,8 +233,28 @@ class Executor:
             raise NotFound(f"job {job_id} not found on cluster {self.cluster.name}")
         return job
 
-    def all_jobs(self) -> list[JobRecord]:
-        return sorted(self.jobs.values(), key=lambda j: j.seq)
+    def page(self, after: int, limit: int, visible: Callable[[str], bool]) -> JobList:
+        """Up to ``limit`` jobs launched after seq ``after`` (those ``visible`` to the caller), by
+        the store's seq index: a page costs what it holds, not what the controller knows."""
+        cursor = self.feed.cursor()
+        rows = self.store.job_ids_after(after, limit)
+        jobs = [j for _, jid in rows if (j := self.jobs.get(jid)) is not None and visible(j.requester)]
+        next_after = rows[-1][0] if len(rows) == limit else None
+        return JobList(jobs=[j.status() for j in jobs], next_after=next_after, cursor=cursor)
+
+    def changes(self, since: str | None, limit: int, visible: Callable[[str], bool]) -> ChangeList:
+        """The change feed after ``since`` (docs/DESIGN.md, "The change feed"): each changed job
+        ``visible`` to the caller once, as it is now; removed ones by id; or an explicit resync."""
+        found = self.feed.since(since, limit)
+        if found.resync:
+            return ChangeList(cursor=found.cursor, resync=True)
+        jobs = [j for jid in found.changed if (j := self.jobs.get(jid)) is not None and visible(j.requester)]
+        return ChangeList(
+            cursor=found.cursor,
+            more=found.more,
+            jobs=[j.status() for j in jobs],
+            removed=[jid for jid, requester in found.removed if visible(requester)],
+        )
 
     async def terminate(
         self, job_id: str, *, nonce: str | None = None, wait_s: float | None = None
@@ -206,7 +271,7 @@ class Executor:
             return job
         if not job.terminate_requested:
             job.terminate_requested = True
-            self.store.save(job)
+            self.save(job)
             log.info("job %s: terminate requested", job_id)
             backend.stop(job)
         await self.wait_terminal(job_id, self.kill_grace_s + 2.0 if wait_s is None else wait_s)

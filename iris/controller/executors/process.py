@@ -9,8 +9,10 @@ transition is written to the store before the backend acts on it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
+import math
 import os
 import secrets
 import signal
@@ -22,10 +24,11 @@ from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
-from iris.controller.models import TIMED_OUT, ControllerJobState
+from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.privileges import chown_tree, harden_state_dir, resolve_run_as
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
+from iris.policy.preemption import RunningTask, choose_victims
 
 log = logging.getLogger("iris.controller.executor")
 
@@ -35,6 +38,18 @@ log = logging.getLogger("iris.controller.executor")
 PASSTHROUGH_ENV = ("PATH", "LANG")
 DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 RUN_ID_ENV = "IRIS_RUN_ID"
+WORK_DIR = "work"
+
+
+def work_dir_for(state_dir: Path, log_path: Path) -> Path:
+    """A fresh directory for one run: ``work/<digest>-<attempt>-<random>``, the log file's stem
+    (``log_path_for``) and an unguessable suffix (docs/DESIGN.md, "Job → controller")."""
+    return state_dir / WORK_DIR / f"{log_path.stem}-{secrets.token_hex(16)}"
+
+
+def work_dir_attempt(name: str) -> str:
+    """The ``<digest>-<attempt>`` of a work directory's name: the stem of its run's log file."""
+    return name.rsplit("-", 1)[0]
 
 
 class SlotPool:
@@ -72,6 +87,10 @@ class _Run:
     killer: asyncio.Task[None] | None = None
 
 
+def _queue_order(job: JobRecord) -> tuple[int, int]:
+    return int(job.band), job.seq
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -87,29 +106,77 @@ def kill_leftovers(run_ids: set[str]) -> dict[str, int]:
 
     Processes of a job outlive a controller killed with -9 (they have their own session). The run id
     in their environment identifies them without trusting recorded pids, which may have been reused.
+    One call reads every process's environment: ask for many run ids at once (``LeftoverSweeper``).
     """
     killed: dict[str, int] = {}
     if not run_ids:
         return killed
     markers = {f"{RUN_ID_ENV}={rid}".encode(): rid for rid in run_ids}
-    proc = Path("/proc")
-    if not proc.is_dir():
+    prefix = f"{RUN_ID_ENV}=".encode()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
         return killed
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    for name in names:
+        if not name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            with open(f"/proc/{name}/environ", "rb") as f:
+                environ = f.read()
         except OSError:
+            continue
+        if prefix not in environ:  # not a job's process: most of them
             continue
         for var in environ.split(b"\0"):
             rid = markers.get(var)
             if rid is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(int(entry.name), signal.SIGKILL)
+                    os.kill(int(name), signal.SIGKILL)
                     killed[rid] = killed.get(rid, 0) + 1
                 break
     return killed
+
+
+class LeftoverSweeper:
+    """Kills what ended runs left behind (``kill_leftovers``), one scan for every run that ended
+    while the previous scan ran: a scan reads every process's environment, so one scan per ending
+    job would cost O(processes) each, O(N²) when N running jobs end together (docs/DESIGN.md,
+    "Controller costs"). Scans begin at most every ``min_interval_s``, so jobs ending at any rate
+    cost at most a few scans a second; a job ending alone is scanned for at once. A run is only ever
+    answered by a scan that began after it asked."""
+
+    def __init__(self, min_interval_s: float = 0.25) -> None:
+        self.min_interval_s = min_interval_s
+        self._waiting: dict[str, asyncio.Future[int]] = {}
+        self._scanning: asyncio.Task[None] | None = None
+        self._last_scan = -math.inf
+
+    async def kill(self, run_id: str) -> int:
+        """SIGKILL the processes left with ``run_id`` in their environment; how many."""
+        loop = asyncio.get_running_loop()
+        future = self._waiting.get(run_id)
+        if future is None:
+            future = self._waiting[run_id] = loop.create_future()
+        if self._scanning is None or self._scanning.done():
+            self._scanning = loop.create_task(self._scan())
+        return await asyncio.shield(future)
+
+    async def _scan(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            await asyncio.sleep(max(0.0, self._last_scan + self.min_interval_s - loop.time()))
+            self._last_scan = loop.time()
+            batch, self._waiting = self._waiting, {}
+            try:
+                killed = await asyncio.to_thread(kill_leftovers, set(batch))
+            except Exception as exc:  # each waiter's job settles with it
+                for future in batch.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for run_id, future in batch.items():
+                if not future.done():
+                    future.set_result(killed.get(run_id, 0))
 
 
 def settle_lost_run(host: JobHost, job: JobRecord, killed: int) -> None:
@@ -120,6 +187,14 @@ def settle_lost_run(host: JobHost, job: JobRecord, killed: int) -> None:
             job,
             ControllerJobState.KILLED,
             error="terminated; the controller restarted before the exit was observed" + note,
+        )
+    elif job.preempted is not None:
+        # Preempted, and the controller restarted during the grace: still a preemption (the job
+        # goes back to its queue at home), not a lost worker.
+        host.settle(
+            job,
+            ControllerJobState.PREEMPTED,
+            error=f"{job.preempted}; the controller restarted during its grace" + note,
         )
     else:
         host.settle(
@@ -137,15 +212,20 @@ class ProcessBackend(Backend):
     def __init__(self, config: BackendConfig, host: JobHost, *, kill_grace_s: float = 5.0) -> None:
         super().__init__(config, host)
         self.kill_grace_s = kill_grace_s
+        # A preempted job's SIGTERM-to-SIGKILL grace (docs/DESIGN.md, "Preemption").
+        self.preempt_grace_s = host.cluster.preempt_grace_s
         self.pools = {t: SlotPool(n) for t, n in config.devices.items()}
         self.cpu_free = config.cpu_slots
-        # Pending jobs per resource, each served strictly in (band, arrival) order.
+        # Pending jobs per resource, each served strictly in (band, arrival) order, and the chips
+        # promised to them (kept as jobs come and go: the capacity report costs no walk of a queue).
         self.queues: dict[str, list[JobRecord]] = {}
+        self._promised: dict[str, int] = {}
         # The capacity observation: when this backend's slot state last changed. The federation's
         # reservations stay charged against it until the next change, so a job handed off but not
         # yet started is never offered to a second job (docs/DESIGN.md, "The ledger").
         self.observed_ms = now_ms()
         self._runs: dict[str, _Run] = {}
+        self._leftovers = LeftoverSweeper()
         self._closing = False
         # Who the jobs run as; the state dir's modes follow (docs/DESIGN.md, "Job → controller").
         self.run_as = resolve_run_as(host.cluster)
@@ -158,7 +238,7 @@ class ProcessBackend(Backend):
 
     def pending(self, resource: str) -> int:
         """Chips already promised to jobs waiting here: not free for anyone else."""
-        return sum(self.demand(j.device).total for j in self.queues.get(resource, []))
+        return self._promised.get(resource, 0)
 
     def fits(self, demand: Demand) -> bool:
         if demand.is_cpu:
@@ -238,19 +318,24 @@ class ProcessBackend(Backend):
     # ---- scheduling ------------------------------------------------------------------------
 
     def _enqueue(self, job: JobRecord) -> None:
-        queue = self.queues.setdefault(self.demand(job.device).resource, [])
-        queue.append(job)
-        queue.sort(key=lambda j: (int(j.band), j.seq))
+        demand = self.demand(job.device)
+        bisect.insort(self.queues.setdefault(demand.resource, []), job, key=_queue_order)
+        self._promised[demand.resource] = self._promised.get(demand.resource, 0) + demand.total
         self.changed()
 
     def _dequeue(self, job: JobRecord) -> None:
-        queue = self.queues.get(self.demand(job.device).resource, [])
-        with contextlib.suppress(ValueError):
-            queue.remove(job)
+        demand = self.demand(job.device)
+        try:
+            self.queues.get(demand.resource, []).remove(job)
+        except ValueError:
+            pass
+        else:
+            self._promised[demand.resource] -= demand.total
         self.changed()
 
     def _schedule(self) -> None:
-        """Start queue heads while they fit; a head that does not fit blocks its queue (no starving)."""
+        """Start queue heads while they fit; a head that does not fit blocks its queue (no starving)
+        and preempts the lower-band runs it needs, if any (docs/DESIGN.md, "Preemption")."""
         if self._closing:
             return
         for queue in self.queues.values():
@@ -258,9 +343,59 @@ class ProcessBackend(Backend):
                 job = queue[0]
                 demand = self.demand(job.device)
                 if not self.fits(demand):
+                    self._preempt_for(job, demand)
                     break
                 queue.pop(0)
+                self._promised[demand.resource] -= demand.total
                 self._start(job, demand)
+
+    def _preempt_for(self, job: JobRecord, demand: Demand) -> None:
+        """Preempt the runs ``choose_victims`` picks for the waiting ``job``: SIGTERM now, SIGKILL
+        after the cluster's grace. Capacity that runs already being stopped will release counts as
+        free, so a head that waits for them preempts no one else."""
+        resource = demand.resource
+        free = self.cpu_free if demand.is_cpu else self.pools[resource].free
+        candidates: list[RunningTask] = []
+        for run in self._runs.values():
+            try:
+                held = self.demand(run.job.device)
+            except InvalidArgument:  # recovered under a config that no longer has its device
+                continue
+            if held.resource != resource:
+                continue
+            if run.job.preempted is not None or run.job.terminate_requested:
+                free += held.total  # on its way out
+                continue
+            candidates.append(
+                RunningTask(
+                    task_id=run.job.job_id,
+                    band=run.job.band,
+                    amounts={resource: held.total},
+                    started_ms=run.job.started_ms or 0,
+                    preempted_before=run.job.preemptions,
+                )
+            )
+        victims = choose_victims(job.band, {resource: demand.total}, {resource: free}, candidates)
+        if not victims:
+            return
+        at_ms = now_ms()
+        for victim in victims:
+            run = self._runs[victim.task_id]
+            # Recorded before the first signal: a controller that restarts during the grace still
+            # knows the job was preempted, not lost (settle_lost_run).
+            run.job.preempted = preempted_note(job.job_id, at_ms)
+            self.host.save(run.job)
+            log.info(
+                "job %s (%s) preempted for job %s (%s): %d %s, grace %ss",
+                victim.task_id,
+                victim.band.label,
+                job.job_id,
+                job.band.label,
+                victim.amounts[resource],
+                resource,
+                self.preempt_grace_s,
+            )
+            self._kill_run(run.job, run, grace_s=self.preempt_grace_s)
 
     def _start(self, job: JobRecord, demand: Demand) -> None:
         # Allocation and the RUNNING record happen before any await: no other launch can interleave.
@@ -311,7 +446,7 @@ class ProcessBackend(Backend):
         path = self.log_path(job)
         # A fresh private directory per run, named unguessably: the work dir cannot be listed, so a
         # job reaches no other job's directory by its path (docs/DESIGN.md, "Job → controller").
-        workdir = self.host.state_dir / "work" / f"{path.stem}-{secrets.token_hex(16)}"
+        workdir = work_dir_for(self.host.state_dir, path)
         outcome: tuple[ControllerJobState, int | None, str | None]
         try:
             workdir.mkdir(mode=0o700)
@@ -324,9 +459,9 @@ class ProcessBackend(Backend):
                 with path.open("ab") as logf:
                     outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
             # Descendants that left the process group (setsid, daemons) must not outlive the job.
-            stray = await asyncio.to_thread(kill_leftovers, {job.run_id})
+            stray = await self._leftovers.kill(job.run_id)
             if stray:
-                log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray[job.run_id])
+                log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray)
         except Exception as exc:  # a controller-side failure must still settle the job
             log.exception("job %s: executor error", job.job_id)
             for proc in run.procs.values():
@@ -343,7 +478,8 @@ class ProcessBackend(Backend):
             self._runs.pop(job.job_id, None)
             self._release(job, demand)
         state, code, error = outcome
-        if self._closing and state is not ControllerJobState.SUCCEEDED and not job.terminate_requested:
+        ended = (ControllerJobState.SUCCEEDED, ControllerJobState.PREEMPTED)
+        if self._closing and state not in ended and not job.terminate_requested:
             state, code, error = (
                 ControllerJobState.WORKER_FAILED,
                 None,
@@ -372,7 +508,7 @@ class ProcessBackend(Backend):
         self, job: JobRecord, run: _Run, log_fd: int, workdir: Path
     ) -> tuple[ControllerJobState, int | None, str | None]:
         for task in job.tasks:
-            if job.terminate_requested:
+            if job.terminate_requested or job.preempted is not None:
                 break
             # As root: the run_as uid, its primary group, no supplementary group (root's would
             # stay otherwise). The log file was opened by the controller: the job inherits the fd.
@@ -401,6 +537,8 @@ class ProcessBackend(Backend):
         self.host.save(job)
         if job.terminate_requested:
             self._kill_run(job, run, grace_s=self.kill_grace_s)
+        elif job.preempted is not None:
+            self._kill_run(job, run, grace_s=self.preempt_grace_s)
         log.info("job %s started: pids=%s", job.job_id, [p.pid for p in run.procs.values()])
 
         waits = {asyncio.ensure_future(p.wait()): idx for idx, p in run.procs.items()}
@@ -411,16 +549,21 @@ class ProcessBackend(Backend):
         killing = False  # True once we stopped the job ourselves: later exits are not its verdict
         pending = set(waits)
         while pending:
-            killing = killing or job.terminate_requested or timed_out
+            killing = killing or job.terminate_requested or timed_out or job.preempted is not None
             timeout = None if deadline is None or timed_out else max(0.0, deadline - loop.time())
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
+                # A preemption decided while we waited: the exits it causes are not failures.
+                killing = killing or job.preempted is not None
                 idx = waits[fut]
                 code = _exit_code(fut.result())
                 task = job.tasks[idx]
                 task.exit_code = code
+                preempted = job.preempted is not None and not job.terminate_requested and not timed_out
                 if code == 0:
                     task.state = ControllerJobState.SUCCEEDED
+                elif preempted and first_failure is None:
+                    task.state = ControllerJobState.PREEMPTED
                 elif killing:
                     task.state = ControllerJobState.KILLED
                 else:
@@ -448,6 +591,8 @@ class ProcessBackend(Backend):
             return ControllerJobState.FAILED, first_failure, TIMED_OUT
         if first_failure is not None:
             return ControllerJobState.FAILED, first_failure, None
+        if job.preempted is not None and any(t.state is not ControllerJobState.SUCCEEDED for t in job.tasks):
+            return ControllerJobState.PREEMPTED, None, job.preempted
         return ControllerJobState.SUCCEEDED, 0, None
 
     def _kill_run(self, job: JobRecord, run: _Run, *, grace_s: float) -> None:

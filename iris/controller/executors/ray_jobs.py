@@ -12,10 +12,28 @@ held-by-band from this controller's running jobs. The observation time changes o
 those inputs changes. A Ray cluster that does not answer makes ``report`` raise
 ``BackendUnreachable``: its capacity is unknown, never free.
 
+A device job goes to Ray only when it fits (docs/DESIGN.md, "Preemption"): each round the monitor
+admits the waiting jobs of a device token in (band, arrival) order while Ray's free amount, less what
+jobs already submitted but not yet running will take, covers them; the first that does not fit
+blocks its token's queue and preempts the lower-band jobs ``choose_victims`` picks, which Ray stops
+(SIGTERM, then SIGKILL after the job's stop wait: the cluster's ``preempt_grace_s``). CPU jobs go to
+Ray at once: Ray's CPUs are not this backend's to count (see ``report``).
+
 Ray's Jobs client is synchronous (``requests`` without timeouts), so every call runs on this
 backend's own small thread pool with a timeout; the event loop never blocks on Ray. One monitor
 task per backend does all submissions, status polls and stops, one job at a time, so a job is never
 submitted and stopped concurrently.
+
+A job's log is copied by byte range, never whole (docs/DESIGN.md, "Logs"): Ray's Jobs API only hands
+out a job's whole log (``GET /api/jobs/<id>/logs`` reads the file from its start every time), but the
+dashboard agent of the job's driver node serves the same file from its log directory (``/logs/``,
+at the job's ``driver_agent_http_address``) with HTTP ``Range`` support. Each read asks for the bytes
+past what the controller has already read, at most ``LOG_CHUNK`` of them; ``JobOutput`` applies
+``job_output`` to them incrementally. Reads happen only when someone reads a running job's log (at
+most every ``LOG_REFRESH_S``) and once at its end. A controller that re-attaches to a running job
+reads its log once from the start (how far its predecessor read is not kept). A job whose agent
+cannot serve a range falls back to the Jobs API's whole log (as before), so no log is lost for want
+of an agent.
 """
 
 from __future__ import annotations
@@ -23,28 +41,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import shlex
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 import requests
 from ray.core.generated import autoscaler_pb2 as _autoscaler_pb2
 from ray.core.generated import autoscaler_pb2_grpc as _autoscaler_pb2_grpc
+from ray.dashboard.modules.job.common import JOB_LOGS_PATH_TEMPLATE
 from ray.job_submission import JobDetails, JobStatus, JobSubmissionClient
 
 from iris.bundle import BundleError
 from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
-from iris.controller.executors.base import Backend, BackendUnreachable, JobHost
-from iris.controller.models import TIMED_OUT, ControllerJobState
+from iris.controller.executors.base import Backend, BackendUnreachable, Demand, JobHost
+from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport
+from iris.policy.preemption import RunningTask, choose_victims
 
 log = logging.getLogger("iris.controller.executor.ray")
 
@@ -64,10 +87,19 @@ LOG_REFRESH_S = 0.5
 # A submission Ray refuses this many times in a row (not as a duplicate) fails the job.
 MAX_REFUSALS = 10
 MIB = 1 << 20
+# The most one read of a job's log asks Ray for. A refresh (a reader asking, at most every
+# LOG_REFRESH_S) makes one such read; the final read at the job's end makes as many as it takes.
+LOG_CHUNK = 4 * MIB
+# After an agent fails to serve a range of a job's log, its reads go to the Jobs API for this long.
+AGENT_RETRY_S = 60.0
 # Ray's Jobs client lets these variables override the address it is given; each backend names its
 # own cluster, so the controller must not inherit them.
 _ADDRESS_OVERRIDES = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
 _IGNORE_GITIGNORE = "RAY_RUNTIME_ENV_IGNORE_GITIGNORE"
+# How long Ray's job supervisor waits between the SIGTERM of a stop and its SIGKILL (whole seconds,
+# Ray's default 3). Read from the supervisor's environment, which a job's runtime_env env_vars
+# become: set per job at submission, it applies to every stop of that job.
+_STOP_WAIT = "RAY_JOB_STOP_WAIT_TIME_S"
 _GRPC_OPTIONS = [("grpc.max_reconnect_backoff_ms", 1000), ("grpc.initial_reconnect_backoff_ms", 200)]
 _DEAD = autoscaler_pb2.NodeStatus.Value("DEAD")
 _DRAINING = autoscaler_pb2.NodeStatus.Value("DRAINING")
@@ -101,8 +133,77 @@ def job_output(ray_log: bytes, sid: str, command: str) -> bytes:
     return data.replace(f"Running entrypoint for job {sid}: {command}\n".encode(), b"", 1)
 
 
+def _line_end(data: bytes) -> int:
+    """Where the last whole line of ``data`` ends (0: none). Line ends are those of Python's text
+    mode, in which Ray's Jobs API reads a job's log: ``\n``, ``\r\n``, and a ``\r`` that is not
+    the last byte (a last one may be the first half of a ``\r\n``)."""
+    end = len(data) - 1 if data.endswith(b"\r") else len(data)
+    return max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end)) + 1
+
+
+def _newlines(data: bytes) -> bytes:
+    """Text mode's universal newlines, as the Jobs API's whole log has them."""
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+class JobOutput:
+    """``job_output`` of Ray's log, computed from its bytes fed in pieces of any size.
+
+    ``feed`` gives out what is certain: whole lines only (a character split between two pieces is
+    never given out), never Ray's leading records, and nothing that may be the start of Ray's
+    "Running entrypoint" line (it may be still arriving; its command can span lines). With
+    ``final``, the log is complete and the rest is given out. However the log is split, what is
+    given out adds up to ``job_output`` of the whole log as the Jobs API reads it (its newlines
+    translated by ``_newlines``), piece after piece, so the controller's copy only ever appends.
+    """
+
+    def __init__(self, sid: str, command: str) -> None:
+        self._banner = f"Running entrypoint for job {sid}: {command}\n".encode()
+        self._raw = b""  # Ray's bytes past the last line end seen
+        self._text = b""  # output held back
+        self._leading = True  # still among Ray's leading records
+        self._banner_seen = False
+
+    def feed(self, raw: bytes, *, final: bool = False) -> bytes:
+        data = self._raw + raw
+        cut = len(data) if final else _line_end(data)
+        self._raw = data[cut:]
+        text = self._text + _newlines(data[:cut])
+        if self._leading:
+            # Only whole lines arrive here while leading, so a record is either all here or not.
+            while (record := _RAY_INFO_RECORD.match(text)) is not None:
+                text = text[record.end() :]
+            if not text and not final:
+                return b""
+            self._leading = False
+        if not self._banner_seen and (at := text.find(self._banner)) >= 0:
+            text = text[:at] + text[at + len(self._banner) :]
+            self._banner_seen = True
+        if final:
+            self._text = b""
+            return text
+        limit = len(text) if self._banner_seen else self._banner_start(text)
+        end = text.rfind(b"\n", 0, limit) + 1
+        self._text = text[end:]
+        return text[:end]
+
+    def _banner_start(self, text: bytes) -> int:
+        """Where the longest end of ``text`` that is a proper beginning of the banner starts."""
+        first = self._banner[:1]
+        at = text.find(first, max(0, len(text) - len(self._banner) + 1))
+        while at >= 0:
+            if self._banner.startswith(text[at:]):
+                return at
+            at = text.find(first, at + 1)
+        return len(text)
+
+
 class RayUnreachable(Exception):
     """Ray did not answer (connection refused, timeout)."""
+
+
+class _AgentFailed(Exception):
+    """The dashboard agent did not serve a ranged read of a job's log."""
 
 
 class RayRefused(Exception):
@@ -170,6 +271,26 @@ class _Tracked:
     refusals: int = 0
     timed_out: bool = False
     log_read_at: float = 0.0
+    # Where Ray's agent serves the job's log; None until its driver has started.
+    log_url: str | None = None
+    # How far the controller has read that log; None until the first read (or after a fallback).
+    log_tail: _LogTail | None = None
+    # When the agent last failed to serve a range of it (the Jobs API's whole log is read meanwhile).
+    agent_failed_at: float = float("-inf")
+    # One read of the job's log at a time (reads run on pool threads and append to its copy).
+    log_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _LogTail:
+    """The controller's read position in Ray's log of one job."""
+
+    url: str
+    output: JobOutput
+    offset: int = 0  # bytes of Ray's log read
+    # Bytes of output already in the controller's copy (a job re-attached after a restart: its log
+    # is read once from the start, and what the copy has is not written again).
+    skip: int = 0
 
 
 class RayBackend(Backend):
@@ -195,11 +316,21 @@ class RayBackend(Backend):
         self._last_ok = 0.0
         self._signature: object = None
         self._busy: str | None = None  # the job id the monitor is talking to Ray about
+        # Waiting jobs that may go to Ray this round (``_plan``).
+        self._admitted: set[str] = set()
+        # A stop's SIGTERM-to-SIGKILL wait in Ray: the cluster's preemption grace, in whole seconds.
+        self.stop_wait_s = math.ceil(host.cluster.preempt_grace_s)
         # The monitor's calls and log reads for API callers never queue behind each other.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"ray-{config.id}")
         self._log_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"ray-logs-{config.id}")
         self._jobs_client: _JobsClient | None = None
         self._channel: grpc.Channel | None = None
+        # What reading job logs cost: requests to Ray, bytes received, and how many of those
+        # requests had to fetch a whole log (the Jobs API, when an agent could not serve a range).
+        self.log_requests = 0
+        self.log_bytes_fetched = 0
+        self.log_whole_reads = 0
+        self._agent_warned = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -243,9 +374,12 @@ class RayBackend(Backend):
             self._reason = f"Ray at {self.address} has not answered for {STALE_AFTER_S:.0f}s"
         if not self._reachable:
             raise BackendUnreachable(self._reason)
+        # By the job table's state, so ``held_by_band`` is what the RUNNING jobs hold at every
+        # moment: a job becomes RUNNING, and leaves this table settled, in one step of the monitor;
+        # a victim in its grace is RUNNING and still holds its devices.
         waiting: dict[str, int] = {}
         for tracked in self._tracked.values():
-            if tracked.ray_status == JobStatus.RUNNING:
+            if tracked.job.state is ControllerJobState.RUNNING:
                 continue
             try:
                 demand = self.demand(tracked.job.device)
@@ -260,7 +394,7 @@ class RayBackend(Backend):
             self.observed_ms,
             free={t: max(0, self._free.get(t, 0) - waiting.get(t, 0)) for t in self.tokens},
             totals={t: self._totals.get(t, 0) for t in self.tokens},
-            running=(t.job for t in self._tracked.values() if t.ray_status == JobStatus.RUNNING),
+            running=(t.job for t in self._tracked.values() if t.job.state is ControllerJobState.RUNNING),
         )
 
     async def refresh_log(self, job: JobRecord) -> None:
@@ -272,8 +406,7 @@ class RayBackend(Backend):
             return
         tracked.log_read_at = now
         with contextlib.suppress(RayUnreachable, RayRefused):
-            text = await self._call(lambda c: c.get_job_logs(self._sid(job)), self._log_pool)
-            self._mirror_log(job, text, final=False)
+            await self._copy_log(tracked, final=False, pool=self._log_pool)
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -383,6 +516,7 @@ class RayBackend(Backend):
         self._last_ok = time.monotonic()
         self._totals, self._free = totals, free
         self._observe()
+        self._plan()
         for job_id in list(self._tracked):
             tracked = self._tracked.get(job_id)
             if tracked is None or self._closing:
@@ -404,6 +538,111 @@ class RayBackend(Backend):
         self._reason = reason
         self._observe()
 
+    def _plan(self) -> None:
+        """Which waiting jobs go to Ray this round, and whom they preempt (docs/DESIGN.md,
+        "Preemption"). Per device token, waiting jobs are admitted in (band, arrival) order while
+        Ray's free amount, less what jobs submitted but not yet running will take, covers them
+        (conservative: a job Ray has just started may be counted twice for a round). The first that
+        does not fit blocks the token's queue, as on the process backend, and preempts for itself."""
+        self._admitted.clear()
+        queues: dict[str, list[tuple[JobRecord, Demand]]] = {}
+        for tracked in self._tracked.values():
+            job = tracked.job
+            if not tracked.fresh or job.terminate_requested:
+                continue
+            try:
+                demand = self.demand(job.device)
+            except InvalidArgument:  # _submit fails it with the reason
+                self._admitted.add(job.job_id)
+                continue
+            if demand.is_cpu:
+                self._admitted.add(job.job_id)
+                continue
+            queues.setdefault(demand.resource, []).append((job, demand))
+        for token, queue in queues.items():
+            queue.sort(key=lambda entry: (int(entry[0].band), entry[0].seq))
+            free = self._free.get(token, 0) - self._starting(token)
+            for job, demand in queue:
+                if demand.total > self._totals.get(token, 0):
+                    # More than Ray has now (nodes gone): it waits for them and blocks no one.
+                    continue
+                if demand.total > free:
+                    self._preempt_for(job, demand)
+                    break
+                self._admitted.add(job.job_id)
+                free -= demand.total
+
+    def _starting(self, token: str) -> int:
+        """What this backend's jobs in Ray (or perhaps in Ray: recovered) that have not started will
+        take of ``token``."""
+        total = 0
+        for tracked in self._tracked.values():
+            if tracked.fresh or tracked.job.state is not ControllerJobState.PENDING:
+                continue
+            with contextlib.suppress(InvalidArgument):
+                demand = self.demand(tracked.job.device)
+                if demand.resource == token:
+                    total += demand.total
+        return total
+
+    def _preempt_for(self, job: JobRecord, demand: Demand) -> None:
+        """Mark (and store) the jobs ``choose_victims`` picks for the waiting ``job`` as preempted;
+        the monitor stops them in Ray in this round.
+
+        What is free is counted from this backend's own jobs, not from Ray's available resources:
+        Ray returns a stopped job's resources a moment after it reports the job ended, so its free
+        amount lags, and counting from it would stop victims that are not needed. Free is the
+        token's total less what this backend's jobs hold or are about to take (running, submitted,
+        admitted this round); jobs already being stopped (preempted, terminated, timed out) count
+        as free, so a job waiting for them stops no one else. Only RUNNING jobs are candidates."""
+        token = demand.resource
+        held = 0
+        candidates: list[RunningTask] = []
+        for tracked in self._tracked.values():
+            other = tracked.job
+            if tracked.fresh and other.job_id not in self._admitted:
+                continue
+            if other.preempted is not None or other.terminate_requested or tracked.timed_out:
+                continue  # on its way out
+            try:
+                theirs = self.demand(other.device)
+            except InvalidArgument:
+                continue
+            if theirs.resource != token:
+                continue
+            held += theirs.total
+            if other.state is ControllerJobState.RUNNING:
+                candidates.append(
+                    RunningTask(
+                        task_id=other.job_id,
+                        band=other.band,
+                        amounts={token: theirs.total},
+                        started_ms=other.started_ms or 0,
+                        preempted_before=other.preemptions,
+                    )
+                )
+        free = max(0, self._totals.get(token, 0) - held)
+        victims = choose_victims(job.band, {token: demand.total}, {token: free}, candidates)
+        if not victims:
+            return
+        at_ms = now_ms()
+        for victim in victims:
+            # Stored before the stop: a controller that restarts during the grace re-attaches to
+            # the victim and still settles it PREEMPTED when Ray reports it stopped.
+            victim_job = self._tracked[victim.task_id].job
+            victim_job.preempted = preempted_note(job.job_id, at_ms)
+            self.host.save(victim_job)
+            log.info(
+                "job %s (%s) preempted for job %s (%s): %d %s, grace %ss",
+                victim.task_id,
+                victim.band.label,
+                job.job_id,
+                job.band.label,
+                victim.amounts[token],
+                token,
+                self.stop_wait_s,
+            )
+
     async def _step(self, tracked: _Tracked) -> None:
         """Move one job forward: submit it, follow its status, stop it, settle it."""
         job = tracked.job
@@ -411,6 +650,8 @@ class RayBackend(Backend):
         if job.terminal:
             self._tracked.pop(job.job_id, None)
             return
+        if tracked.fresh and not job.terminate_requested and job.job_id not in self._admitted:
+            return  # waits for its turn and its devices (``_plan``)
         info: JobDetails | None = None
         if not tracked.fresh:
             try:
@@ -428,8 +669,12 @@ class RayBackend(Backend):
                 )
             elif job.terminate_requested:
                 self._finish(tracked, ControllerJobState.KILLED, None, "terminated before it started")
-            else:
+            elif tracked.fresh:
                 await self._submit(tracked)
+            else:
+                # Not in Ray (recovered, or refused): only this monitor submits, so it stays out of
+                # Ray until ``_plan`` admits it, like a new job.
+                tracked.fresh = True
             return
         if (info.metadata or {}).get("iris_run_id") != job.run_id:
             self._finish(
@@ -459,6 +704,8 @@ class RayBackend(Backend):
             "IRIS_BACKEND_ID": job.backend_id,
             "IRIS_REPLICA_INDEX": "0",
             "IRIS_NUM_REPLICAS": str(len(job.tasks)),
+            # Ray's supervisor reads it from this environment (see _STOP_WAIT).
+            _STOP_WAIT: str(self.stop_wait_s),
         }
         runtime_env: dict[str, Any] = {"env_vars": env}
         if job.bundle is not None:
@@ -505,6 +752,9 @@ class RayBackend(Backend):
         job = tracked.job
         status = info.status
         tracked.ray_status = status
+        if info.driver_agent_http_address:
+            name = JOB_LOGS_PATH_TEMPLATE.format(submission_id=self._sid(job))
+            tracked.log_url = f"{info.driver_agent_http_address}/logs/{urllib.parse.quote(name)}"
         if status == JobStatus.RUNNING and job.state is ControllerJobState.PENDING:
             job.state = ControllerJobState.RUNNING
             job.started_ms = now_ms()
@@ -514,11 +764,9 @@ class RayBackend(Backend):
             self.host.notify(job.job_id)
             log.info("job %s running on Ray", job.job_id)
         if status.is_terminal():
-            text = None
+            # Every byte of the log is in the controller's copy before the job is terminal there.
             with contextlib.suppress(RayRefused):
-                text = await self._call(lambda c: c.get_job_logs(self._sid(job)))
-            if text is not None:
-                self._mirror_log(job, text, final=True)
+                await self._copy_log(tracked, final=True)
             self._finish(tracked, *self._outcome(tracked, info))
             return
         if (
@@ -529,7 +777,7 @@ class RayBackend(Backend):
         ):
             tracked.timed_out = True
             log.info("job %s timed out after %ss", job.job_id, job.timeout_s)
-        if job.terminate_requested or tracked.timed_out:
+        if job.terminate_requested or tracked.timed_out or job.preempted is not None:
             await self._call(lambda c: c.stop_job(self._sid(job)))
 
     def _outcome(
@@ -543,6 +791,8 @@ class RayBackend(Backend):
         if info.status == JobStatus.SUCCEEDED:
             return ControllerJobState.SUCCEEDED, 0, None
         if info.status == JobStatus.STOPPED:
+            if tracked.job.preempted is not None:
+                return ControllerJobState.PREEMPTED, None, tracked.job.preempted
             return ControllerJobState.KILLED, None, "stopped in Ray"
         # A plain non-zero exit says enough; otherwise Ray's message says what went wrong.
         return ControllerJobState.FAILED, code, None if code else (info.message or "failed in Ray")[:500]
@@ -559,18 +809,109 @@ class RayBackend(Backend):
         note = f" ({error})" if error else ""
         log.info("job %s finished: %s exit_code=%s%s", job.job_id, state, code, note)
 
-    def _mirror_log(self, job: JobRecord, text: str, *, final: bool) -> None:
-        """Append the job's output beyond our copy. Ray's log only grows, so our copy is a prefix of
-        the job's output in it; while the job runs, only whole lines, so a character split by Ray's
-        decoding is never copied (nor a line of Ray's own not yet complete)."""
-        data = job_output(text.encode(), self._sid(job), entrypoint(job))
-        if not final:
-            data = data[: data.rfind(b"\n") + 1]
+    # ---- job logs ---------------------------------------------------------------------------
+
+    async def _copy_log(
+        self, tracked: _Tracked, *, final: bool, pool: ThreadPoolExecutor | None = None
+    ) -> None:
+        """Bring the job's copy of its log up to Ray's: one read of at most LOG_CHUNK bytes, or with
+        ``final`` (Ray's job has ended, its log is complete) as many as it takes to reach the end."""
+        more = True
+        while more:
+            made, fetched, more, whole = await self._call(
+                lambda c: self._read_log(c, tracked, final=final),
+                pool,
+                # A failed ranged read and the whole read after it, each with its own timeout.
+                timeout_s=2 * CALL_TIMEOUT_S,
+            )
+            self.log_requests += made
+            self.log_bytes_fetched += fetched
+            self.log_whole_reads += whole
+            more = more and final
+
+    def _read_log(
+        self, client: _JobsClient, tracked: _Tracked, *, final: bool
+    ) -> tuple[int, int, bool, bool]:
+        """On a pool thread: read the job's log past what the controller has and append its output
+        to the copy. Returns (requests made to Ray, bytes received, whether more may follow,
+        whether the whole log was read)."""
+        job = tracked.job
+        with tracked.log_lock:
+            if tracked.log_url is None:
+                # No driver has started: Ray has no log for the job (the Jobs API answers "").
+                return 0, 0, False, False
+            made = 0
+            if time.monotonic() - tracked.agent_failed_at >= AGENT_RETRY_S:
+                made += 1
+                try:
+                    fetched, more = self._read_range(client, tracked, final=final)
+                    return made, fetched, more, False
+                except _AgentFailed as exc:
+                    tracked.agent_failed_at = time.monotonic()
+                    if not self._agent_warned:
+                        self._agent_warned = True
+                        log.warning(
+                            "backend %s: %s; reading whole job logs through the Jobs API instead",
+                            self.config.id,
+                            exc,
+                        )
+            # The fallback. Offsets in the agent's file and in the Jobs API's text need not line
+            # up: the next ranged read starts from the beginning, writing only what the copy lacks.
+            tracked.log_tail = None
+            text = client.get_job_logs(self._sid(job)).encode()
+            out = JobOutput(self._sid(job), entrypoint(job)).feed(text, final=final)
+            self._append(job, out, skip=self._copied(job))
+            return made + 1, len(text), False, True
+
+    def _read_range(self, client: _JobsClient, tracked: _Tracked, *, final: bool) -> tuple[int, bool]:
+        """One ranged read past the tail of the job's log, its output appended to the copy.
+        Returns (bytes received, whether more may follow)."""
+        assert tracked.log_url is not None
+        tail = tracked.log_tail
+        if tail is None or tail.url != tracked.log_url:
+            output = JobOutput(self._sid(tracked.job), entrypoint(tracked.job))
+            tail = _LogTail(tracked.log_url, output, skip=self._copied(tracked.job))
+            tracked.log_tail = tail
+        data = self._get_range(client, tail.url, tail.offset, missing_ok=not final)
+        more = len(data) == LOG_CHUNK
+        tail.offset += len(data)
+        out = tail.output.feed(data, final=final and not more)
+        dropped = min(tail.skip, len(out))
+        tail.skip -= dropped
+        self._append(tracked.job, out, skip=dropped)
+        return len(data), more
+
+    def _get_range(self, client: _JobsClient, url: str, offset: int, *, missing_ok: bool) -> bytes:
+        """Bytes ``offset`` to ``offset + LOG_CHUNK`` of Ray's log of a job at ``url`` (fewer at its
+        end, none past it). ``missing_ok``: no file yet (a driver just starting) is no bytes yet."""
+        headers = {**client._headers, "Range": f"bytes={offset}-{offset + LOG_CHUNK - 1}"}
+        try:
+            r = requests.get(
+                url, headers=headers, cookies=client._cookies, verify=client._verify, timeout=CALL_TIMEOUT_S
+            )
+        except requests.RequestException as exc:
+            reason = f"Ray's dashboard agent at {url} does not answer ({type(exc).__name__})"
+            raise _AgentFailed(reason) from None
+        if r.status_code == 206 and r.headers.get("Content-Range", "").startswith(f"bytes {offset}-"):
+            return r.content
+        if r.status_code == 416:  # nothing past offset yet
+            return b""
+        if r.status_code == 404 and missing_ok:
+            return b""
+        if r.status_code == 200:  # the range was ignored: the whole file came
+            return r.content[offset : offset + LOG_CHUNK]
+        raise _AgentFailed(f"Ray's dashboard agent answered {r.status_code} for {url}")
+
+    def _copied(self, job: JobRecord) -> int:
         path = self.log_path(job)
-        size = path.stat().st_size if path.exists() else 0
-        if len(data) > size:
-            with path.open("ab") as f:
-                f.write(data[size:])
+        return path.stat().st_size if path.exists() else 0
+
+    def _append(self, job: JobRecord, out: bytes, *, skip: int) -> None:
+        """Append ``out`` to the job's copy of its log, less its first ``skip`` bytes (the copy
+        has them already)."""
+        if len(out) > skip:
+            with self.log_path(job).open("ab") as f:
+                f.write(out[skip:])
 
     def _observe(self) -> None:
         """Start a new observation when anything the report depends on changed."""
@@ -578,7 +919,9 @@ class RayBackend(Backend):
             self._reachable,
             tuple(sorted(self._totals.items())),
             tuple(sorted(self._free.items())),
-            tuple(sorted((jid, t.ray_status == JobStatus.RUNNING) for jid, t in self._tracked.items())),
+            tuple(
+                sorted((jid, t.job.state is ControllerJobState.RUNNING) for jid, t in self._tracked.items())
+            ),
         )
         if signature != self._signature:
             self._signature = signature

@@ -1,0 +1,93 @@
+"""What a client asks of the queue, answered at home (docs/DESIGN.md, "Queue position and dry-run").
+
+The SDK talks only to Temporal, never to the federation store: `iris job list`, `describe` and
+`run --dry-run` send an Update to the placement manager, which runs one of these as a local
+activity. Each reads the store as the tick does (the queue, the stored reports, the ledger) and
+answers with the pure functions of :mod:`iris.policy.queue`; nothing is written, nothing started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
+from temporalio import activity
+
+from iris import contract
+from iris.config import FederationConfig
+from iris.policy.models import JobShape, PeerReport
+from iris.policy.queue import DryRun, QueuePosition, dry_run, queue_positions
+from iris.reports import configured_backends
+
+if TYPE_CHECKING:
+    from iris.store import FederationStore
+
+# At most this many job ids per question: one page of `iris job list` (its --limit's maximum).
+MAX_POSITION_IDS = 1000
+
+
+class PositionsRequest(BaseModel):
+    # At most MAX_POSITION_IDS: the manager's validator refuses more (a payload that failed to
+    # decode would fail the manager's workflow task instead).
+    job_ids: list[str] = Field(default_factory=list)
+
+
+class PositionsAnswer(BaseModel):
+    """The asked jobs that are queued, with their positions (a job not queued is left out)."""
+
+    positions: dict[str, QueuePosition] = Field(default_factory=dict)
+    queued: int = 0
+    at_ms: int = 0
+
+
+class DryRunRequest(BaseModel):
+    job: JobShape
+
+
+class InquiryActivities:
+    def __init__(self, config: FederationConfig, store: FederationStore) -> None:
+        self._config = config
+        self._store = store
+
+    @activity.defn(name=contract.READ_QUEUE_POSITIONS)
+    async def read_queue_positions(self, inp: PositionsRequest) -> PositionsAnswer:
+        queued = await asyncio.to_thread(self._store.queued)
+        positions = queue_positions([h.shape for h in queued], inp.job_ids)
+        return PositionsAnswer(positions=positions, queued=len(queued), at_ms=int(time.time() * 1000))
+
+    @activity.defn(name=contract.PLAN_DRY_RUN)
+    async def plan_dry_run(self, inp: DryRunRequest) -> DryRun:
+        store = self._store
+        reports = await asyncio.to_thread(store.load_reports)
+        reservations = await asyncio.to_thread(store.reservations)
+        queued = await asyncio.to_thread(store.queued)
+        config = self._config
+        # Every configured cluster is judged, reported yet or not (a peer never reached since the
+        # store was created has no stored report: it counts as unreachable).
+        known = {r.peer_id for r in reports}
+        reports = [
+            *reports,
+            *(
+                PeerReport(peer_id=c.name, reachable=False, error="no report stored yet")
+                for c in config.clusters
+                if c.name not in known
+            ),
+        ]
+        configured = {
+            c.name: configured_backends(c)
+            for c in config.clusters
+            if not any(r.peer_id == c.name and r.reachable and r.backends for r in reports)
+        }
+        return dry_run(
+            inp.job,
+            home=config.home,
+            reports=reports,
+            queue=[h.shape for h in queued],
+            reservations=reservations,
+            configured=configured,
+            now_ms=int(time.time() * 1000),
+            stale_after_ms=config.stale_after_ms,
+            max_per_peer=config.max_per_peer_per_tick,
+        )

@@ -1,0 +1,954 @@
+"""Scheduling quality: a seeded synthetic trace replayed on the real stack, against an offline bound.
+
+    uv run python -m benchmarks.trace [--minutes 10] [--seed 1] [--scale 60] [--load 0.9]
+                                      [--out FILE.json] [--source HEAD] [--offline]
+
+Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
+
+1. **The trace** (:func:`generate`): Poisson arrivals of GPU jobs, each with a band (production,
+   interactive, batch), a shape (1, 2, 4 or 8 H100 per replica, 1 to 3 replicas; a shape larger than
+   every peer is drawn again) and a duration (uniform in its band's range, in trace seconds). The
+   arrival rate makes the offered load (chips x seconds asked per second) ``--load`` times the
+   peers' H100s, so queues form and high bands meet capacity that batch work holds.
+2. **The offline bound** (:func:`simulate`): the same trace, on the same peers, replayed in an
+   event-driven simulation on the pure policy (``iris.policy.classify`` at arrival,
+   ``iris.policy.plan`` at every arrival and end, no per-peer cap, no tick, no handoff and no
+   reporting latency): work-conserving, and so a lower bound on the real stack's waits. With
+   ``iris/policy/preemption.py`` present, capacity held by lower bands is reported and reclaimed at
+   once (no grace period) through its ``choose_victims``; victims go back to the queue and restart
+   from scratch. Without it, held capacity cannot be reclaimed, so the simulation offers only idle
+   capacity. The output says which.
+3. **The replay**: on a fresh real stack (``benchmarks/harness.py``, the demo topology: two peers
+   with 16 and 8 H100) on a frozen copy of ``--source``, each job is submitted at its arrival time
+   divided by ``--scale`` and runs ``sleep (duration / scale)``. Arrivals fill the first three
+   quarters of ``--minutes``; the last quarter at most lets the queue drain. The controllers' own
+   records (``controller.db``, sampled every second) give each run's start and end; ``describe``
+   gives each job's attempts (a ``PREEMPTED`` end is a preemption).
+
+Queue wait is the time a job is not running before it runs for good: submit to its first start,
+plus, after each preempted run, that run's end to the next start. A job still waiting at the end is
+censored (its wait so far is counted, and it is reported). Ticks are seconds over the manager's
+tick period (``tick_interval_s``). The table gives per band: p50/p95 wait (s and ticks) measured
+and in the bound; jobs that waited more than 10x their band's median (starvation; a median under
+one tick counts as one tick); then GPU utilization while any job waits (every shape of the trace
+fits some peer), preemptions and the GPU-seconds their runs had used (lost). ``--offline`` prints
+the trace and the bound without starting anything.
+"""
+
+# The arguments are checked, then the snapshot switch runs, before any project module is imported;
+# the other imports follow (hence E402 for this file). Bad arguments: one error line, nothing copied.
+# ruff: noqa: E402
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.source import add_source_argument, run_from_snapshot
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value > 0 or value == math.inf:
+            raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """Bad input is one line (no usage block) and exit status 2."""
+        self.exit(2, f"benchmarks.trace: error: {message} (see --help)\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument(
+        "--minutes", type=_positive(float), default=10.0, help="replay length (arrivals: the first 3/4)"
+    )
+    p.add_argument("--seed", type=int, default=1, help="the trace's seed")
+    p.add_argument(
+        "--scale", type=_positive(float), default=60.0, help="trace seconds per replay second (compression)"
+    )
+    p.add_argument("--load", type=_positive(float), default=0.9, help="offered load, as a share of the H100s")
+    p.add_argument("--offline", action="store_true", help="print the trace and the bound only; start nothing")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
+    add_source_argument(p)
+    return p
+
+
+if __name__ == "__main__":
+    parser().parse_args()
+    run_from_snapshot("benchmarks.trace", sys.argv[1:])
+
+import asyncio
+import contextlib
+import heapq
+import importlib
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from iris.policy import (
+    Availability,
+    BackendReport,
+    Band,
+    DeviceRequest,
+    Disposition,
+    HeldByBand,
+    JobShape,
+    PeerReport,
+    classify,
+    plan,
+)
+
+HOME = "home"
+TOKEN = "h100"
+TASK_QUEUE = "iris-bench-trace"
+USER = "bench-trace@bench.local"
+STARVATION_FACTOR = 10.0
+# Arrivals fill this share of --minutes; the rest lets the queue drain.
+ARRIVAL_SHARE = 0.75
+# Bands, their share of arrivals, and their durations in trace seconds (uniform in [lo, hi]).
+DEFAULT_BANDS: tuple[tuple[Band, float], ...] = (
+    (Band.PRODUCTION, 0.15),
+    (Band.INTERACTIVE, 0.35),
+    (Band.BATCH, 0.50),
+)
+DEFAULT_DURATIONS: tuple[tuple[Band, float, float], ...] = (
+    (Band.PRODUCTION, 120.0, 1200.0),
+    (Band.INTERACTIVE, 60.0, 600.0),
+    (Band.BATCH, 300.0, 2400.0),
+)
+DEFAULT_GPUS: tuple[tuple[int, float], ...] = ((1, 0.35), (2, 0.25), (4, 0.2), (8, 0.2))
+DEFAULT_REPLICAS: tuple[tuple[int, float], ...] = ((1, 0.6), (2, 0.25), (3, 0.15))
+
+
+# ---- the trace ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    """One job of the trace; times in trace seconds."""
+
+    index: int
+    arrival_s: float
+    band: Band
+    gpus: int
+    replicas: int
+    duration_s: float
+
+    @property
+    def chips(self) -> int:
+        return self.gpus * self.replicas
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """What :func:`generate` draws from. ``peers``: (peer id, H100 chips) of each GPU peer."""
+
+    peers: tuple[tuple[str, int], ...]
+    window_s: float
+    seed: int = 1
+    load: float = 0.9
+    bands: tuple[tuple[Band, float], ...] = DEFAULT_BANDS
+    durations: tuple[tuple[Band, float, float], ...] = DEFAULT_DURATIONS
+    gpus: tuple[tuple[int, float], ...] = DEFAULT_GPUS
+    replicas: tuple[tuple[int, float], ...] = DEFAULT_REPLICAS
+
+    def __post_init__(self) -> None:
+        if not self.peers or min(c for _, c in self.peers) < 1:
+            raise ValueError("the trace needs at least one peer with at least one H100")
+        if self.window_s <= 0 or self.load <= 0:
+            raise ValueError("the trace's window and load must be positive")
+        if not self.shapes():
+            raise ValueError(f"no shape fits a peer of at most {self.largest_peer} H100")
+
+    @property
+    def capacity(self) -> int:
+        return sum(c for _, c in self.peers)
+
+    @property
+    def largest_peer(self) -> int:
+        return max(c for _, c in self.peers)
+
+    def shapes(self) -> list[tuple[int, int, float]]:
+        """(gpus, replicas, probability) of the shapes that fit some peer, renormalized: a shape
+        larger than every peer would wait forever, so it is drawn again."""
+        fits = [
+            (g, r, pg * pr) for g, pg in self.gpus for r, pr in self.replicas if g * r <= self.largest_peer
+        ]
+        total = sum(p for _, _, p in fits)
+        return [(g, r, p / total) for g, r, p in fits] if total > 0 else []
+
+    def mean_chips(self) -> float:
+        return sum(g * r * p for g, r, p in self.shapes())
+
+    def mean_duration(self) -> float:
+        weights = dict(self.bands)
+        total = sum(weights.values())
+        return sum(weights.get(b, 0.0) / total * (lo + hi) / 2 for b, lo, hi in self.durations)
+
+    def rate(self) -> float:
+        """Arrivals per trace second for the offered load: load x chips = rate x E[chips x duration]
+        (shape and duration are drawn independently)."""
+        return self.load * self.capacity / (self.mean_chips() * self.mean_duration())
+
+
+def generate(cfg: TraceConfig) -> list[TraceJob]:
+    """The trace: seeded (the same config gives the same jobs), arrivals in ``[0, window_s)``."""
+    rng = random.Random(cfg.seed)
+    rate = cfg.rate()
+    bands = [b for b, _ in cfg.bands]
+    band_weights = [w for _, w in cfg.bands]
+    ranges = {b: (lo, hi) for b, lo, hi in cfg.durations}
+    shapes = cfg.shapes()
+    jobs: list[TraceJob] = []
+    t = rng.expovariate(rate)
+    while t < cfg.window_s:
+        band = rng.choices(bands, band_weights)[0]
+        gpus, replicas, _ = rng.choices(shapes, [p for _, _, p in shapes])[0]
+        lo, hi = ranges[band]
+        jobs.append(TraceJob(len(jobs), t, band, gpus, replicas, rng.uniform(lo, hi)))
+        t += rng.expovariate(rate)
+    return jobs
+
+
+# ---- what happened to each job (measured or simulated) ------------------------------------------
+
+
+@dataclass
+class Run:
+    """One run of a job on a peer, in replay seconds; ``end_s`` None: still running at the end."""
+
+    start_s: float
+    end_s: float | None = None
+    preempted: bool = False
+    peer: str = ""
+
+
+@dataclass
+class Outcome:
+    """One job: its band, chips, when it was submitted (replay seconds) and its runs."""
+
+    index: int
+    band: Band
+    chips: int
+    submit_s: float | None
+    runs: list[Run] = field(default_factory=list)
+
+
+def queue_wait(o: Outcome, end_s: float) -> tuple[float, bool]:
+    """(seconds waited, censored): submit to the first start, plus each preempted run's end to the
+    next start; a job still waiting at ``end_s`` counts its wait so far and is censored."""
+    assert o.submit_s is not None
+    wait = 0.0
+    t = o.submit_s
+    for r in sorted(o.runs, key=lambda r: r.start_s):
+        wait += max(0.0, r.start_s - t)
+        if r.end_s is None or not r.preempted:
+            return wait, False
+        t = r.end_s
+    return wait + max(0.0, end_s - t), True
+
+
+def utilization(outcomes: Sequence[Outcome], capacity: int, start_s: float, end_s: float) -> dict[str, float]:
+    """GPU utilization over ``[start_s, end_s]``: overall, and over the time some job waits (every
+    shape of a trace fits some peer); plus how long jobs waited in that span."""
+    deltas: list[tuple[float, int, int]] = []  # (time, chips busy delta, jobs waiting delta)
+    for o in outcomes:
+        if o.submit_s is None:
+            continue
+        t = o.submit_s
+        done = False
+        for r in sorted(o.runs, key=lambda r: r.start_s):
+            if r.start_s > t:
+                deltas += [(t, 0, 1), (r.start_s, 0, -1)]
+            end = end_s if r.end_s is None else r.end_s
+            deltas += [(r.start_s, o.chips, 0), (end, -o.chips, 0)]
+            if r.end_s is None or not r.preempted:
+                done = True
+                break
+            t = r.end_s
+        if not done:
+            deltas += [(t, 0, 1), (end_s, 0, -1)]
+    deltas.sort()
+    busy = waiting = 0
+    last = start_s
+    span = busy_area = wait_span = wait_busy = 0.0
+    for at, d_busy, d_wait in [*deltas, (end_s, 0, 0)]:
+        a, b = max(last, start_s), min(at, end_s)
+        if b > a:
+            span += b - a
+            busy_area += busy * (b - a)
+            if waiting > 0:
+                wait_span += b - a
+                wait_busy += busy * (b - a)
+        last = max(last, at)
+        busy += d_busy
+        waiting += d_wait
+    nan = float("nan")
+    return {
+        "overall": busy_area / (capacity * span) if span > 0 else nan,
+        "while_waiting": wait_busy / (capacity * wait_span) if wait_span > 0 else nan,
+        "waiting_s": wait_span,
+        "span_s": span,
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); NaN for no values (as benchmarks/harness.py)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
+def summarize(outcomes: Sequence[Outcome], end_s: float, tick_s: float) -> dict[str, Any]:
+    """Per band (and all): jobs, started, censored, p50/p95 wait in seconds and ticks, starved."""
+    out: dict[str, Any] = {}
+    groups: list[tuple[str, list[Outcome]]] = [
+        (b.label, [o for o in outcomes if o.band is b and o.submit_s is not None]) for b in Band
+    ]
+    groups.append(("all", [o for o in outcomes if o.submit_s is not None]))
+    starved_ids: set[int] = set()
+    for label, group in groups:
+        waits = [queue_wait(o, end_s) for o in group]
+        values = [w for w, _ in waits]
+        p50 = percentile(values, 50)
+        if label != "all":
+            bar = STARVATION_FACTOR * max(p50, tick_s) if values else math.inf
+            starved = [o.index for o, w in zip(group, values, strict=True) if w > bar]
+            starved_ids.update(starved)
+        else:
+            starved = sorted(starved_ids)
+        p95 = percentile(values, 95)
+        out[label] = {
+            "jobs": len(group),
+            "started": sum(1 for o in group if o.runs),
+            "censored": sum(1 for _, c in waits if c),
+            "p50_s": p50,
+            "p95_s": p95,
+            "p50_ticks": p50 / tick_s,
+            "p95_ticks": p95 / tick_s,
+            "max_s": max(values) if values else float("nan"),
+            "starved": len(starved),
+            "starved_jobs": starved,
+        }
+    return out
+
+
+def preemption_figures(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """Preempted runs and the GPU-seconds they had used (lost: a victim restarts from scratch)."""
+    count = 0
+    wasted = 0.0
+    for o in outcomes:
+        for r in o.runs:
+            if r.preempted and r.end_s is not None:
+                count += 1
+                wasted += o.chips * max(0.0, r.end_s - r.start_s)
+    return {"preemptions": count, "wasted_gpu_s": wasted}
+
+
+# ---- the offline bound -------------------------------------------------------------------------
+
+# (job id, band, chips, start s, times preempted before) of each running job.
+Chooser = Callable[[Band, int, int, Sequence[tuple[str, Band, int, float, int]]], list[str] | None]
+
+
+def preemption_chooser() -> tuple[Chooser | None, str]:
+    """The policy's victim choice (``iris.policy.preemption.choose_victims``, issue 19) if this
+    revision has it, adapted to one token; (None, why) otherwise."""
+    try:
+        mod = importlib.import_module("iris.policy.preemption")
+        choose = mod.choose_victims
+        task_type = mod.RunningTask
+    except (ImportError, AttributeError):
+        return None, "not modelled: this revision has no iris.policy.preemption.choose_victims"
+    # A revision before the earlier-preemptions key has no such field.
+    counts = "preempted_before" in {f.name for f in dataclasses.fields(task_type)}
+
+    def chooser(
+        band: Band, need: int, free: int, running: Sequence[tuple[str, Band, int, float, int]]
+    ) -> list[str] | None:
+        tasks = [
+            task_type(
+                task_id=tid,
+                band=b,
+                amounts={TOKEN: chips},
+                started_ms=int(start * 1000),
+                **({"preempted_before": before} if counts else {}),
+            )
+            for tid, b, chips, start, before in running
+        ]
+        victims = choose(band, {TOKEN: need}, {TOKEN: free}, tasks)
+        return None if victims is None else [str(v.task_id) for v in victims]
+
+    return chooser, "modelled: iris.policy.preemption.choose_victims, no grace period"
+
+
+def _backend(peer: str) -> str:
+    return f"{TOKEN}-{peer}"
+
+
+def _reports(
+    peers: Mapping[str, int],
+    running: Mapping[str, dict[int, tuple[Band, int, float]]],
+    now_ms: int,
+    with_held: bool,
+) -> list[PeerReport]:
+    reports = [
+        PeerReport(
+            peer_id=HOME,
+            last_contact_ms=now_ms,
+            backends=[
+                BackendReport(
+                    backend_id="cpu-home",
+                    advertised_attributes={"device-type": ["cpu"]},
+                    availability=Availability(observation_epoch_ms=now_ms, amounts={"cpu": 8}),
+                )
+            ],
+        )
+    ]
+    for peer, total in peers.items():
+        busy = sum(chips for _, chips, _ in running[peer].values())
+        held: dict[Band, int] = {}
+        for band, chips, _ in running[peer].values():
+            held[band] = held.get(band, 0) + chips
+        reports.append(
+            PeerReport(
+                peer_id=peer,
+                last_contact_ms=now_ms,
+                backends=[
+                    BackendReport(
+                        backend_id=_backend(peer),
+                        advertised_attributes={"device-type": ["gpu"], "device-variant": [TOKEN]},
+                        availability=Availability(
+                            observation_epoch_ms=now_ms,
+                            amounts={TOKEN: total - busy},
+                            total_amounts={TOKEN: total},
+                            held_by_band=[
+                                HeldByBand(band=b, amounts={TOKEN: n}) for b, n in sorted(held.items())
+                            ]
+                            if with_held
+                            else [],
+                        ),
+                    )
+                ],
+            )
+        )
+    return reports
+
+
+def shape(job: TraceJob, submit_ms: int) -> JobShape:
+    return JobShape(
+        job_id=f"j{job.index}",
+        device=DeviceRequest(type="gpu", variant=TOKEN, count=job.gpus, replicas=job.replicas),
+        band=job.band,
+        submit_ms=submit_ms,
+    )
+
+
+@dataclass
+class SimResult:
+    outcomes: list[Outcome]
+    end_s: float
+    rejected: list[int]
+    preemption: str
+
+
+def simulate(
+    jobs: Sequence[TraceJob],
+    peers: Mapping[str, int],
+    *,
+    scale: float = 1.0,
+    chooser: Chooser | None = None,
+    preemption: str = "not modelled",
+) -> SimResult:
+    """The work-conserving replay of ``jobs`` on the pure policy, in replay seconds (trace seconds
+    over ``scale``): classify at arrival, plan at every arrival and end, start what it places at
+    once. With ``chooser``, held capacity is reported and a placement that preempts stops the
+    chooser's victims on its peer first (they re-queue with their submit time and full duration)."""
+    by_id = {f"j{j.index}": j for j in jobs}
+    outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in jobs}
+    arrivals = sorted(jobs, key=lambda j: (j.arrival_s, j.index))
+    running: dict[str, dict[int, tuple[Band, int, float]]] = {p: {} for p in peers}
+    ends: list[tuple[float, int, str, int]] = []  # (end, index, peer, generation)
+    generation: dict[int, int] = {}
+    queue: dict[str, JobShape] = {}
+    rejected: list[int] = []
+    ai = 0
+    now = 0.0
+
+    def start(job_id: str, peer: str) -> None:
+        j = by_id[job_id]
+        running[peer][j.index] = (j.band, j.chips, now)
+        outcomes[j.index].runs.append(Run(start_s=now, peer=peer))
+        gen = generation[j.index] = generation.get(j.index, 0) + 1
+        heapq.heappush(ends, (now + j.duration_s / scale, j.index, peer, gen))
+        del queue[job_id]
+
+    while ai < len(arrivals) or ends:
+        next_arrival = arrivals[ai].arrival_s / scale if ai < len(arrivals) else math.inf
+        next_end = ends[0][0] if ends else math.inf
+        now = min(next_arrival, next_end)
+        while ends and ends[0][0] <= now:
+            _, index, peer, gen = heapq.heappop(ends)
+            if generation.get(index) != gen or index not in running[peer]:
+                continue  # a run preempted before its end
+            del running[peer][index]
+            outcomes[index].runs[-1].end_s = now
+        while ai < len(arrivals) and arrivals[ai].arrival_s / scale <= now:
+            j = arrivals[ai]
+            ai += 1
+            s = shape(j, int(j.arrival_s / scale * 1000))
+            outcomes[j.index].submit_s = j.arrival_s / scale
+            reports = _reports(peers, running, int(now * 1000), chooser is not None)
+            c = classify(s, home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40)
+            if c.disposition is Disposition.REJECT:
+                rejected.append(j.index)
+            else:
+                queue[s.job_id] = s
+        # Plan until a pass places nothing: a preemption may re-queue victims that fit elsewhere.
+        for _ in range(len(jobs) + 1):
+            if not queue:
+                break
+            reports = _reports(peers, running, int(now * 1000), chooser is not None)
+            result = plan(
+                list(queue.values()), home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40
+            )
+            placed = 0
+            for p in result.placements:
+                j = by_id[p.job_id]
+                free = peers[p.peer_id] - sum(c for _, c, _ in running[p.peer_id].values())
+                if free < j.chips:
+                    if chooser is None:
+                        continue
+                    tasks = [
+                        (f"j{i}", b, c, t, sum(r.preempted for r in outcomes[i].runs))
+                        for i, (b, c, t) in running[p.peer_id].items()
+                    ]
+                    victims = chooser(j.band, j.chips, free, tasks)
+                    if not victims:
+                        continue
+                    for v in victims:
+                        vj = by_id[v]
+                        del running[p.peer_id][vj.index]
+                        run = outcomes[vj.index].runs[-1]
+                        run.end_s, run.preempted = now, True
+                        queue[v] = shape(vj, int(vj.arrival_s / scale * 1000))
+                start(p.job_id, p.peer_id)
+                placed += 1
+            if not placed:
+                break
+    return SimResult(list(outcomes.values()), now, rejected, preemption)
+
+
+# ---- the replay on the real stack --------------------------------------------------------------
+
+
+@dataclass
+class Seen:
+    """One run as its controller recorded it (``controller.db``), keyed by (job id, nonce)."""
+
+    peer: str
+    state: str
+    started_ms: int | None
+    finished_ms: int | None
+
+
+def gpu_peers(cfg: Any) -> list[tuple[str, int]]:
+    """(peer, H100 chips) of each cluster with H100s in a federation config."""
+    out = []
+    for c in cfg.clusters:
+        chips = sum(int(b.devices.get(TOKEN, 0)) for b in c.backends if b.devices)
+        if chips > 0 and c.name != cfg.home:
+            out.append((c.name, chips))
+    return out
+
+
+async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: float) -> dict[str, Any]:
+    """Submit each job at its (compressed) arrival time on a fresh stack; return each job's outcome
+    in replay seconds from the run's start, and the run's end."""
+    from benchmarks.harness import BenchStack, gather_bounded, uptime_line
+    from benchmarks.running import controller_db, read_jobs
+    from iris.client import AsyncIrisClient, build_spec
+    from iris.config import FederationConfig
+
+    root = Path(tempfile.mkdtemp(prefix="iris-bench-trace-"))
+    stack = BenchStack(root)
+
+    def apply(cfg: FederationConfig) -> None:
+        # Submissions are signed by their user (docs/DESIGN.md, "User → home"); production needs the
+        # admin role.
+        with contextlib.suppress(ImportError):
+            from iris.userauth import USER_KEY_DIR_ENV, register_user
+
+            os.environ[USER_KEY_DIR_ENV] = str(root / "user-keys")
+            register_user(cfg, USER, ["user", "admin"])
+
+    print(f"[{time.strftime('%X')}] stack in {root} ({uptime_line()})", flush=True)
+    seen: dict[tuple[str, str], Seen] = {}
+    job_ids: dict[str, int] = {}
+    submit_ms: dict[int, int] = {}
+    errors: list[str] = []
+    sampler: asyncio.Task[None] | None = None
+    try:
+        await stack.start(apply, task_queue=TASK_QUEUE)
+        await stack.start_worker()
+        iris = AsyncIrisClient(stack.client, stack.config)
+        dbs = {c.name: controller_db(stack, c.name) for c in stack.config.clusters}
+
+        async def sample() -> None:
+            for peer, path in dbs.items():
+                rows = await asyncio.to_thread(
+                    read_jobs, path, "job_id, nonce, state, started_ms, finished_ms"
+                )
+                for job_id, nonce, state, started, finished in rows:
+                    if job_id in job_ids:
+                        seen[(job_id, nonce)] = Seen(peer, state, started, finished)
+
+        # Warm-up (imports, the workflow sandbox, connections): not counted.
+        warm = build_spec(["true"], name="trace-warm", user=USER, device_type="h100", gpu_count=1)
+        await iris.submit_spec(warm)
+        warm_end = time.monotonic() + 120
+        while time.monotonic() < warm_end:
+            with contextlib.suppress(Exception):
+                if (await iris.describe(warm.job_id)).terminal:
+                    break
+            await asyncio.sleep(0.5)
+
+        window = args.minutes * 60 * ARRIVAL_SHARE
+        in_window = [j for j in trace if j.arrival_s / args.scale < window]
+        t0_ms = int(time.time() * 1000)
+        t0 = time.monotonic()
+        budget_end = t0 + args.minutes * 60
+
+        async def submit(j: TraceJob) -> None:
+            await asyncio.sleep(max(0.0, t0 + j.arrival_s / args.scale - time.monotonic()))
+            spec = build_spec(
+                ["sleep", f"{j.duration_s / args.scale:.2f}"],
+                name=f"trace-{j.index:04d}",
+                user=USER,
+                device_type="h100",
+                gpu_count=j.gpus,
+                replicas=j.replicas,
+                priority=j.band,
+                max_retries_preemption=3,
+            )
+            job_ids[spec.job_id] = j.index
+            submit_ms[j.index] = spec.submit_ms
+            try:
+                await iris.submit_spec(spec)
+            except Exception as exc:  # counted and reported; the run goes on
+                errors.append(f"job {j.index}: {exc!r}")
+                del job_ids[spec.job_id]
+                del submit_ms[j.index]
+
+        async def sample_loop() -> None:
+            last = 0.0
+            while True:
+                await sample()
+                now = time.monotonic() - t0
+                if now - last >= 10:
+                    last = now
+                    started = {job for (job, _), s in seen.items() if s.started_ms is not None}
+                    running = sum(1 for s in seen.values() if s.state == "RUNNING")
+                    print(
+                        f"  t={now:4.0f}s submitted {len(job_ids)}/{len(in_window)} started {len(started)} "
+                        f"running {running} errors {len(errors)}",
+                        flush=True,
+                    )
+                await asyncio.sleep(1.0)
+
+        print(
+            f"[{time.strftime('%X')}] replay: {len(in_window)} jobs over {window:.0f}s, then at most "
+            f"{args.minutes * 60 - window:.0f}s to drain",
+            flush=True,
+        )
+        sampler = asyncio.create_task(sample_loop())
+        await asyncio.gather(*(submit(j) for j in in_window))
+
+        def all_started() -> bool:
+            latest: dict[str, Seen] = {}
+            for (job, _), s in seen.items():
+                if s.started_ms is not None and (
+                    job not in latest or (latest[job].started_ms or 0) < s.started_ms
+                ):
+                    latest[job] = s
+            return len(latest) == len(job_ids) and all(s.state != "PREEMPTED" for s in latest.values())
+
+        while time.monotonic() < budget_end:
+            if all_started():
+                break
+            await asyncio.sleep(1.0)
+        sampler.cancel()
+        sampler = None
+        await sample()
+        end_ms = int(time.time() * 1000)
+        print(f"[{time.strftime('%X')}] collecting {len(job_ids)} jobs' attempts", flush=True)
+        statuses = await gather_bounded((iris.describe(j) for j in job_ids), 8)
+        # How each attempt ended, as home recorded it: the last sample may have caught a run
+        # still RUNNING that ended (or was preempted) before the next attempt replaced its record.
+        attempt_end: dict[tuple[str, str], tuple[str, int | None]] = {}
+        states: dict[str, int] = {}
+        for job_id, st in zip(job_ids, statuses, strict=True):
+            if isinstance(st, BaseException):
+                errors.append(f"describe {job_id}: {st!r}")
+                continue
+            states[st.state.value] = states.get(st.state.value, 0) + 1
+            for a in st.attempts:
+                attempt_end[(job_id, a.nonce)] = (a.end or "", a.ended_ms)
+        outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in in_window}
+        for index in job_ids.values():
+            outcomes[index].submit_s = (submit_ms[index] - t0_ms) / 1000
+        for (job_id, nonce), s in seen.items():
+            if s.started_ms is None or job_id not in job_ids:
+                continue
+            end_kind, home_ended = attempt_end.get((job_id, nonce), ("", None))
+            ended = s.finished_ms if s.state not in ("RUNNING", "PENDING") else home_ended
+            outcomes[job_ids[job_id]].runs.append(
+                Run(
+                    start_s=(s.started_ms - t0_ms) / 1000,
+                    end_s=None if ended is None else (ended - t0_ms) / 1000,
+                    preempted=s.state == "PREEMPTED" or end_kind == "PREEMPTED",
+                    peer=s.peer,
+                )
+            )
+        return {
+            "outcomes": list(outcomes.values()),
+            "end_s": (end_ms - t0_ms) / 1000,
+            "errors": errors,
+            "home_states": states,
+        }
+    finally:
+        if sampler is not None:
+            sampler.cancel()
+        await stack.stop()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def fmt(v: float) -> str:
+    if v != v:  # NaN
+        return "-"
+    return f"{v:.1f}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def pct(v: float) -> str:
+    return "-" if v != v else f"{100 * v:.0f}%"
+
+
+def report(
+    measured: dict[str, Any] | None,
+    bound: dict[str, Any],
+    tick_s: float,
+) -> str:
+    """The table: per band, measured (if any) and the offline bound side by side."""
+    headers = ["band", "jobs", "started", "p50 s", "p95 s", "p50 ticks", "p95 ticks", "starved"]
+    headers += ["bound p50 s", "bound p95 s", "bound starved"]
+    rows = []
+    for label in [b.label for b in Band] + ["all"]:
+        b = bound["bands"][label]
+        m = measured["bands"][label] if measured else None
+        cens = f" ({m['censored']} waiting)" if m and m["censored"] else ""
+        rows.append(
+            [
+                label,
+                str(m["jobs"] if m else b["jobs"]),
+                (str(m["started"]) + cens) if m else "-",
+                fmt(m["p50_s"]) if m else "-",
+                fmt(m["p95_s"]) if m else "-",
+                fmt(m["p50_ticks"]) if m else "-",
+                fmt(m["p95_ticks"]) if m else "-",
+                str(m["starved"]) if m else "-",
+                fmt(b["p50_s"]),
+                fmt(b["p95_s"]),
+                str(b["starved"]),
+            ]
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    lines = [
+        "  ".join(
+            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))
+        )
+    ]
+    lines.append("-" * len(lines[0]))
+    for r in rows:
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
+    bu, bp = bound["utilization"], bound["preemption"]
+    if measured:
+        mu, mp = measured["utilization"], measured["preemption"]
+        lines.append(
+            f"GPU utilization while a job waits: {pct(mu['while_waiting'])} over {mu['waiting_s']:.0f}s "
+            f"(bound {pct(bu['while_waiting'])} over {bu['waiting_s']:.0f}s); overall {pct(mu['overall'])} "
+            f"(bound {pct(bu['overall'])})"
+        )
+        lines.append(
+            f"preemptions: {mp['preemptions']}, wasting {mp['wasted_gpu_s']:.0f} GPU-s "
+            f"(bound {bp['preemptions']}, {bp['wasted_gpu_s']:.0f} GPU-s)"
+        )
+    else:
+        lines.append(
+            f"GPU utilization while a job waits (bound): {pct(bu['while_waiting'])} over "
+            f"{bu['waiting_s']:.0f}s; overall {pct(bu['overall'])}"
+        )
+        lines.append(f"preemptions (bound): {bp['preemptions']}, wasting {bp['wasted_gpu_s']:.0f} GPU-s")
+    for name, fig in (("measured", measured), ("bound", bound)):
+        if fig is not None:
+            lines.append(f"targets of issue 19, {name}: {targets(fig)}")
+    lines.append(
+        f"starved: waited more than {STARVATION_FACTOR:.0f}x the band's median (a median under one tick, "
+        f"{tick_s:g} s, counts as one tick); ticks = seconds / tick period"
+    )
+    lines.append(
+        f"bound: work-conserving simulation on the pure policy; preemption {bound['preemption_model']}"
+    )
+    return "\n".join(lines)
+
+
+def plain_line(plain: dict[str, Any]) -> str:
+    waits = ", ".join(
+        f"{b.label} {fmt(plain['bands'][b.label]['p50_s'])}/{fmt(plain['bands'][b.label]['p95_s'])}"
+        for b in Band
+    )
+    return (
+        f"bound without preemption (held capacity never reclaimed): p50/p95 s {waits}; starved "
+        f"{plain['bands']['all']['starved']}; utilization while a job waits "
+        f"{pct(plain['utilization']['while_waiting'])}"
+    )
+
+
+def targets(fig: dict[str, Any]) -> str:
+    """Issue 19's targets against one set of figures: production p95 wait at most 2 ticks, GPU
+    utilization at least 90% while a job waits, no job starved (nor still waiting at the end)."""
+    p95 = fig["bands"]["production"]["p95_ticks"]
+    util = fig["utilization"]["while_waiting"]
+    starved = fig["bands"]["all"]["starved"]
+    waiting = fig["bands"]["all"]["censored"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    return (
+        f"production p95 ≤ 2 ticks {verdict(not p95 > 2)} ({fmt(p95)}); utilization while waiting "
+        f"≥ 90% {verdict(not util < 0.9)} ({pct(util)}); no starvation "
+        f"{verdict(starved == 0 and waiting == 0)} ({starved} starved, {waiting} still waiting)"
+    )
+
+
+def figures(outcomes: Sequence[Outcome], capacity: int, end_s: float, tick_s: float) -> dict[str, Any]:
+    submitted = [o.submit_s for o in outcomes if o.submit_s is not None]
+    start = min(submitted) if submitted else 0.0
+    return {
+        "bands": summarize(outcomes, end_s, tick_s),
+        "utilization": utilization(outcomes, capacity, start, end_s),
+        "preemption": preemption_figures(outcomes),
+        "end_s": end_s,
+    }
+
+
+def trace_line(trace: Sequence[TraceJob], cfg: TraceConfig, scale: float) -> str:
+    by_band = {b.label: sum(1 for j in trace if j.band is b) for b in Band}
+    chips_s = sum(j.chips * j.duration_s for j in trace)
+    return (
+        f"trace: seed {cfg.seed}, {len(trace)} jobs ({', '.join(f'{k} {v}' for k, v in by_band.items())}), "
+        f"peers {', '.join(f'{p} {c}' for p, c in cfg.peers)} H100; arrival rate "
+        f"{cfg.rate() * scale:.3f}/s replayed; offered {chips_s / (cfg.capacity * cfg.window_s):.2f} "
+        f"of capacity (target {cfg.load:g}); durations / {scale:g}"
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    from benchmarks.harness import machine, uptime_line, write_json
+    from benchmarks.source import source_label
+    from iris.config import load_config
+
+    base = load_config()
+    peers = gpu_peers(base)
+    tick_s = float(base.tick_interval_s)
+    window_replay = args.minutes * 60 * ARRIVAL_SHARE
+    cfg = TraceConfig(peers=tuple(peers), window_s=window_replay * args.scale, seed=args.seed, load=args.load)
+    trace = generate(cfg)
+    chooser, how = preemption_chooser()
+    sim = simulate(trace, dict(peers), scale=args.scale, chooser=chooser, preemption=how)
+    capacity = cfg.capacity
+    bound = figures(sim.outcomes, capacity, sim.end_s, tick_s)
+    bound["preemption_model"] = how
+    bound["rejected"] = sim.rejected
+    # The same bound with held capacity never reclaimed: what a stack whose backends do not preempt
+    # could reach at best (the comparison before and after preemption lands).
+    plain: dict[str, Any] | None = None
+    if chooser is not None:
+        plain_sim = simulate(trace, dict(peers), scale=args.scale)
+        plain = figures(plain_sim.outcomes, capacity, plain_sim.end_s, tick_s)
+    info = machine()
+    print(f"code: {source_label()}; machine: {info['nproc']} CPUs, {info['mem_gib']} GiB", flush=True)
+    print(trace_line(trace, cfg, args.scale), flush=True)
+    data: dict[str, Any] = {
+        "machine": info,
+        "args": vars(args),
+        "source": source_label(),
+        "tick_s": tick_s,
+        "trace": [asdict(j) for j in trace],
+        "bound": {**bound, "outcomes": [asdict(o) for o in sim.outcomes]},
+    }
+    measured: dict[str, Any] | None = None
+    if not args.offline:
+        r = await replay(args, trace, tick_s)
+        outcomes: list[Outcome] = r["outcomes"]
+        measured = figures(outcomes, capacity, r["end_s"], tick_s)
+        data["measured"] = {
+            **measured,
+            "errors": r["errors"],
+            "home_states": r["home_states"],
+            "outcomes": [asdict(o) for o in outcomes],
+        }
+        if r["errors"]:
+            print(f"{len(r['errors'])} errors, e.g. {r['errors'][0]}", file=sys.stderr)
+        print(f"home states at the end: {r['home_states']}")
+    print()
+    print(report(measured, bound, tick_s), flush=True)
+    if plain is not None:
+        data["bound_without_preemption"] = plain
+        print(plain_line(plain))
+    print(f"\ncode: {source_label()}; after: {uptime_line()}")
+    write_json(args.out, data)
+    return 0
+
+
+def main() -> None:
+    from benchmarks.harness import run_main
+
+    args = parser().parse_args()
+    run_main(lambda: run(args))
+
+
+if __name__ == "__main__":
+    main()

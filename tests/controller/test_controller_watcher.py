@@ -1,0 +1,181 @@
+"""The per-cluster watcher (docs/DESIGN.md, "The change feed") against a real controller process
+and a real Temporal dev server: its signals follow the feed, a silent cluster's jobs are found by
+visibility and told, and a controller restart (a new epoch) is a resync that still reaches them.
+
+The job workflows are stand-ins registered under the job workflow's type: they upsert the search
+attributes a running job has and record every ``observe`` signal, so what the watcher sends is seen
+exactly as a job would receive it."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controller_harness import (
+    Controller,
+    cluster,
+    federation,
+    gpu_backend,
+    poll,
+    py,
+    request,
+    restart,
+    start_controller,
+    write_config,
+)
+from temporalio import workflow
+from temporalio.client import WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from activities.watch import Observation, WatchActivities
+from iris import contract, devstack
+from iris.config import load_config
+from iris.controller.models import ControllerJobState as S
+from iris.controller.models import JobStatus
+from workflows.watch import PeerWatch, WatcherInput
+
+
+@workflow.defn(name=contract.JOB_WORKFLOW)
+class Recorder:
+    """A running job as visibility shows it (IrisPeer, IrisState), recording what it is told."""
+
+    def __init__(self) -> None:
+        self._seen: list[Observation] = []
+
+    @workflow.signal(name=contract.OBSERVE)
+    def observe(self, seen: Observation) -> None:
+        self._seen.append(seen)
+
+    @workflow.query(name="seen")
+    def seen(self) -> list[Observation]:
+        return self._seen
+
+    @workflow.run
+    async def run(self, peer: str) -> None:
+        workflow.upsert_search_attributes(
+            [contract.SA_PEER.value_set(peer), contract.SA_STATE.value_set("RUNNING")]
+        )
+        await workflow.wait_condition(lambda: False)
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=str(devstack.venv_bin("temporal")),
+        search_attributes=contract.SEARCH_ATTRIBUTE_KEYS,
+        data_converter=pydantic_data_converter,
+        dev_server_startup_timeout=timedelta(seconds=60),
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+async def seen(handle: WorkflowHandle[Any, Any]) -> list[Observation]:
+    result: list[Observation] = await handle.query("seen", result_type=list[Observation])
+    return result
+
+
+async def test_the_watcher_signals_changes_tells_a_silent_clusters_jobs_and_resyncs_after_a_restart(
+    env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    peer = cluster("peer", backends=[gpu_backend(slots=4)])
+    path = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
+    config = load_config(path)
+    ctl: Controller = start_controller(path, "peer", tmp_path / "state", port=peer["port"])
+    queue = f"watch-{uuid.uuid4().hex}"
+    worker = Worker(
+        env.client,
+        task_queue=queue,
+        workflows=[Recorder, PeerWatch],
+        activities=[WatchActivities(config).watch_peer],
+        # The stand-in lives in this test module, which the sandbox would re-import (with the
+        # harness's imports): unsandboxed here; the replay tests check PeerWatch in the sandbox.
+        workflow_runner=UnsandboxedWorkflowRunner(),
+    )
+    jobs: dict[str, WorkflowHandle[Any, Any]] = {}
+    try:
+        async with worker:
+            for name in ("w/first", "w/second"):
+                jobs[name] = await env.client.start_workflow(Recorder.run, "peer", id=name, task_queue=queue)
+            async with ctl.client() as c:
+                await c.launch(request(py("import time; time.sleep(300)"), job_id="w/first", gpus=1))
+                await env.client.start_workflow(
+                    PeerWatch.run,
+                    WatcherInput(cluster="peer", wait_s=5, silent_report_s=1, run_for_s=120),
+                    id=contract.peer_watch_workflow_id(queue, "peer"),
+                    task_queue=queue,
+                )
+                # Its start: the listing signals the running job.
+                first = await poll(lambda: seen(jobs["w/first"]), bool, what="the listing's signal")
+                listed = first[0].status
+                assert listed is not None and listed.job_id == "w/first"
+                # A change, through the feed: the terminate's KILLED, a later version, same epoch.
+                await c.terminate("w/first")
+                after = await poll(
+                    lambda: seen(jobs["w/first"]),
+                    lambda s: killed_in(s) is not None,
+                    what="the feed's signal",
+                )
+                killed = killed_in(after)
+                assert killed is not None and killed.epoch == listed.epoch and killed.version > listed.version
+                # Another job's workflow got nothing of it.
+                assert await seen(jobs["w/second"]) == []
+                await c.launch(request(py("import time; time.sleep(300)"), job_id="w/second", gpus=1))
+                running = await poll(lambda: seen(jobs["w/second"]), bool, what="w/second's signal")
+                assert running[0].status is not None
+                epoch = running[0].status.epoch
+
+            # The controller dies: the jobs visibility shows on it are told, and since when.
+            ctl.kill9()
+            notices = await poll(
+                lambda: seen(jobs["w/second"]),
+                lambda s: notice_in(s) is not None,
+                what="the silence notice",
+                timeout=30,
+            )
+            notice = notice_in(notices)
+            assert notice is not None and notice.cluster == "peer" and notice.error
+            assert notice.silent_since_ms is not None
+            # Back, with a new epoch: the old cursor resyncs, and the job lost in the restart is told.
+            ctl = restart(ctl)
+            lost = await poll(
+                lambda: seen(jobs["w/second"]),
+                lambda s: lost_in(s) is not None,
+                what="the resync's signal",
+                timeout=60,
+            )
+            worker_failed = lost_in(lost)
+            assert worker_failed is not None and worker_failed.epoch != epoch
+    finally:
+        ctl.stop()
+        for handle in [
+            *jobs.values(),
+            env.client.get_workflow_handle(contract.peer_watch_workflow_id(queue, "peer")),
+        ]:
+            with contextlib.suppress(Exception):
+                await handle.terminate("test over")
+
+
+def _with_state(observations: list[Observation], state: S) -> JobStatus | None:
+    return next((o.status for o in observations if o.status is not None and o.status.state is state), None)
+
+
+def killed_in(observations: list[Observation]) -> JobStatus | None:
+    return _with_state(observations, S.KILLED)
+
+
+def lost_in(observations: list[Observation]) -> JobStatus | None:
+    return _with_state(observations, S.WORKER_FAILED)
+
+
+def notice_in(observations: list[Observation]) -> Observation | None:
+    return next((o for o in observations if o.status is None), None)

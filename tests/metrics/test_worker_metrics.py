@@ -1,0 +1,201 @@
+"""The worker's iris_* metrics outside the tick (docs/DESIGN.md, "Metrics"): handoffs by outcome from
+the launch activity, the mirror's propagation lag, a stale worker's tick gauges. Each through the
+worker's real Prometheus exporter (iris/temporal.py), scraped over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from exposition import exposition
+from temporalio.common import MetricMeter
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.peers import LaunchInput, PeerActivities, handoff_outcome
+from activities.placement import TickMetrics
+from activities.watch import MirrorLag, change_time_ms
+from iris import devstack, metrics
+from iris.config import FederationConfig
+from iris.controller.errors import (
+    AlreadyExists,
+    ControllerError,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from iris.controller.models import ControllerJobState, LaunchRequest
+from iris.controller.models import JobStatus as ControllerJobStatus
+from iris.policy.models import Band, DeviceRequest, JobShape, PeerReport, WaitingGroup
+from iris.policy.reasons import ReasonCode
+from iris.reports import FederationView
+from iris.temporal import metrics_runtime
+
+
+class Exporter:
+    """A real SDK runtime serving Prometheus on a free port, as `iris worker --metrics-address`."""
+
+    def __init__(self) -> None:
+        self.port = devstack.free_port()
+        runtime = metrics_runtime(f"127.0.0.1:{self.port}")
+        assert runtime is not None
+        self.meter: MetricMeter = runtime.metric_meter
+
+    def series(self, name: str) -> dict[frozenset[tuple[str, str]], float]:
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=5).text
+        return {labels: value for (n, labels), value in exposition(text).items() if n == name}
+
+
+@pytest.fixture
+def exporter() -> Exporter:
+    return Exporter()
+
+
+def labels(**kw: str) -> frozenset[tuple[str, str]]:
+    return frozenset(kw.items())
+
+
+# ---- handoffs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (Unavailable("connect: refused"), "unreachable"),
+        (InvalidArgument("no such backend"), "refused"),
+        (PermissionDenied("not allowed"), "refused"),
+        (AlreadyExists("another requester"), "refused"),
+        (Unauthenticated("token refused"), "error"),
+    ],
+)
+def test_each_launch_error_has_its_outcome(error: ControllerError, outcome: str) -> None:
+    assert handoff_outcome(error) == outcome
+    assert outcome in metrics.HANDOFF_OUTCOMES
+
+
+def _config(down_port: int) -> FederationConfig:
+    return FederationConfig.model_validate(
+        {
+            "home": "marin",
+            "clusters": [
+                {"name": "marin", "port": devstack.free_port(), "backends": [{"id": "cpu", "cpu_slots": 1}]},
+                # Nothing listens there.
+                {"name": "cw-down", "port": down_port, "backends": [{"id": "cpu", "cpu_slots": 1}]},
+            ],
+        }
+    )
+
+
+def _launch(cluster: str) -> LaunchInput:
+    request = LaunchRequest(
+        job_id="alice/metrics",
+        requester="marin",
+        nonce="n-1",
+        user="alice",
+        band=Band.INTERACTIVE,
+        backend_id="cpu",
+        command=["true"],
+    )
+    return LaunchInput(cluster=cluster, request=request)
+
+
+async def test_the_launch_activity_counts_each_request_by_peer_and_outcome(exporter: Exporter) -> None:
+    acts = PeerActivities(_config(devstack.free_port()), request_timeout_s=1.0)
+    env = ActivityEnvironment()
+    env.metric_meter = exporter.meter
+    for _ in range(2):
+        with pytest.raises(ControllerError):
+            await env.run(acts.launch_job, _launch("cw-down"))
+    with pytest.raises(ApplicationError, match="unknown cluster"):
+        await env.run(acts.launch_job, _launch("cw-nowhere"))
+    assert exporter.series(metrics.HANDOFFS) == {
+        labels(peer="cw-down", outcome="unreachable"): 2,
+        labels(peer="cw-nowhere", outcome="error"): 1,
+    }
+
+
+# ---- the mirror's propagation lag ----------------------------------------------------------------
+
+
+def _status(job_id: str, state: ControllerJobState, **times: int) -> ControllerJobStatus:
+    return ControllerJobStatus(
+        job_id=job_id,
+        state=state,
+        backend_id="cpu",
+        band=Band.INTERACTIVE,
+        user="alice",
+        requester="marin",
+        nonce="n-1",
+        created_ms=times.pop("created_ms", 1),
+        **times,
+    )
+
+
+def test_a_change_dates_from_when_its_state_began() -> None:
+    assert change_time_ms(_status("a", ControllerJobState.PENDING, created_ms=10)) == 10
+    assert change_time_ms(_status("a", ControllerJobState.RUNNING, started_ms=20)) == 20
+    assert change_time_ms(_status("a", ControllerJobState.SUCCEEDED, started_ms=20, finished_ms=30)) == 30
+
+
+async def test_only_new_changes_are_measured(exporter: Exporter) -> None:
+    lag = MirrorLag(exporter.meter, "cw-a")
+    now = int(time.time() * 1000)
+    # The listing: what each job already was (not a change).
+    lag.known([_status("listed", ControllerJobState.RUNNING, started_ms=now - 60_000)])
+    same = _status("listed", ControllerJobState.RUNNING, started_ms=now - 60_000)
+    assert lag.changed_at(same) is None  # a task's change: the same state since the same time
+    ended = _status("listed", ControllerJobState.SUCCEEDED, started_ms=now - 60_000, finished_ms=now - 2_000)
+    assert lag.changed_at(ended) == now - 2_000
+    assert lag.changed_at(ended) is None  # brought again
+    fresh = _status("fresh", ControllerJobState.PENDING, created_ms=now - 500)
+    assert lag.changed_at(fresh) == now - 500
+    lag.forget(["fresh"])
+    assert lag.changed_at(fresh) == now - 500  # removed, then seen again: new to this watcher
+    lag.record(now - 2_000)
+    lag.record(now + 5_000)  # a controller clock ahead of ours: 0, not negative
+    assert exporter.series(metrics.MIRROR_LAG + "_count") == {labels(peer="cw-a"): 2}
+    total = exporter.series(metrics.MIRROR_LAG + "_sum")[labels(peer="cw-a")]
+    assert 2.0 <= total < 4.0
+    buckets = exporter.series(metrics.MIRROR_LAG + "_bucket")
+    assert buckets[labels(peer="cw-a", le="1")] == 1  # the clock-ahead one, at 0
+    assert buckets[labels(peer="cw-a", le="2.5")] == 2
+
+
+# ---- a stale worker's tick gauges ----------------------------------------------------------------
+
+
+def _tick_view(*peers: PeerReport) -> FederationView:
+    return FederationView(home="marin", stale_after_ms=30_000, reports=list(peers))
+
+
+async def test_a_worker_that_stops_ticking_zeroes_its_gauges(exporter: Exporter) -> None:
+    tick = TickMetrics(stale_after_s=0.5)
+    shape = JobShape(job_id="alice/cpu", device=DeviceRequest(), band=Band.BATCH)
+    waiting = [WaitingGroup(job_ids=["alice/cpu"], summary="full", code=ReasonCode.NoCapacity)]
+    tick.record(
+        exporter.meter,
+        queued=[shape],
+        waiting=waiting,
+        view=_tick_view(PeerReport(peer_id="cw-a")),
+        seconds=0.01,
+    )
+    queued = labels(band="batch", device_variant="cpu", reason="NoCapacity")
+    assert exporter.series(metrics.QUEUED_JOBS) == {queued: 1}
+    assert exporter.series(metrics.PEER_REACHABLE) == {labels(peer="cw-a"): 1}
+    # Ticking again within the bound keeps them.
+    await asyncio.sleep(0.3)
+    tick.record(
+        exporter.meter,
+        queued=[shape],
+        waiting=waiting,
+        view=_tick_view(PeerReport(peer_id="cw-a")),
+        seconds=0.01,
+    )
+    await asyncio.sleep(0.3)
+    assert exporter.series(metrics.QUEUED_JOBS) == {queued: 1}
+    await asyncio.sleep(0.5)
+    assert exporter.series(metrics.QUEUED_JOBS) == {queued: 0}
+    assert exporter.series(metrics.PEER_REACHABLE) == {labels(peer="cw-a"): 0}
