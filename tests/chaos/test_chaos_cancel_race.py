@@ -51,7 +51,8 @@ from iris.reports import FederationView
 from iris.store import FederationStore, HandleState, JobHandle, PromoteResult
 from workflows.job import JobWorkflow
 
-ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "1000"))
+# 300 in the suite (CI's time budget); IRIS_RACE_ITERATIONS=1000 is the size docs/RELIABILITY.md records.
+ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "300"))
 PARALLEL = 24
 SEED = 20261130
 PEER, BACKEND = "cw-race", "h100-race"
@@ -246,7 +247,7 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[StubRace]:
 
 
 @pytest.mark.timeout(900)
-async def test_cancel_racing_promotion_1000_times_never_violates(race: StubRace) -> None:
+async def test_cancel_racing_promotion_never_violates(race: StubRace) -> None:
     run = await run_race(race, ITERATIONS, PARALLEL)
     listed = await race.stack.client.count_workflows(f"TaskQueue = '{race.task_queue}'")
     assert listed.count == ITERATIONS  # (deleted by the fixture afterwards)

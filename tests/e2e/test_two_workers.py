@@ -6,12 +6,12 @@ federation; what must not interleave is serialized by the store ("Promotion (the
 workers) serve one task queue, with one Temporal dev server, one PostgreSQL store (a fresh
 database) and the three real controllers as processes, and two things run through them:
 
-- the cancel race of tests/cancel_race.py, 1000 iterations: a cancel (Update, signal, Temporal
+- the cancel race of tests/cancel_race.py, ``ITERATIONS`` times (below): a cancel (Update, signal, Temporal
   cancel or the store's intent) racing the race's own ``place`` signals, the placement manager's and
   the promotion CAS, on whichever worker runs each task. Stages are seen in the store's handles;
   deliveries are counted by the controllers. 0 jobs both cancelled (the cancel told it won) and
   handed off, 0 second deliveries, 0 over-commits;
-- a burst of 500 jobs (4 of 5 ``h100×1`` queued for the peers, 1 of 5 local CPU): every job
+- a burst of ``BURST`` jobs (4 of 5 ``h100×1`` queued for the peers, 1 of 5 local CPU): every job
   SUCCEEDED, launched exactly once on exactly one cluster (the controllers' own records), never
   more jobs admitted on a backend than its slots (the controllers' admission and end times), no
   reservation left, and both workers ran activities (the identities in the jobs' histories).
@@ -69,7 +69,9 @@ from workflows.placement import PlacementManager
 T = TypeVar("T")
 POSTGRES_URL = os.environ.get("IRIS_TEST_POSTGRES_URL") or "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 WORKERS = 2
-ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "1000"))
+# The suite's sizes keep CI under its time budget; the acceptance sizes (1000 and 500, docs/BENCHMARKS.md,
+# "Several workers") run with IRIS_RACE_ITERATIONS=1000 IRIS_BURST_JOBS=500 (README, "Several workers").
+ITERATIONS = int(os.environ.get("IRIS_RACE_ITERATIONS", "300"))
 PARALLEL = 48
 SEED = 20261201
 # A race job takes one H100 (cw-us-east-02a has 16, cw-rno2a 8) and, delivered and not cancelled,
@@ -77,7 +79,7 @@ SEED = 20261201
 # the race, most of whose jobs are cancelled; they do in the burst.)
 RACE_GPUS = 1
 RACE_RUN_S = 8
-BURST = int(os.environ.get("IRIS_BURST_JOBS", "500"))
+BURST = int(os.environ.get("IRIS_BURST_JOBS", "200"))
 CPU_EVERY = 5  # every fifth job of the burst is a local CPU job
 GPU_PEERS = {"cw-us-east-02a": "h100-us-east-02a", "cw-rno2a": "h100-rno2a"}
 
@@ -549,7 +551,7 @@ async def story(federation: TwoWorkers, outcomes: list[Outcome]) -> list[str]:
 
 
 @pytest.mark.timeout(900)
-async def test_a_burst_of_500_jobs_on_two_workers_runs_each_exactly_once_and_never_overcommits(
+async def test_a_burst_of_jobs_on_two_workers_runs_each_exactly_once_and_never_overcommits(
     two_workers: TwoWorkers,
 ) -> None:
     fed = two_workers

@@ -207,6 +207,13 @@ HOSTILE: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def _late_span(record: logging.LogRecord) -> bool:
+    """A span of an earlier test (the event loop is the session's) ending after that test shut its
+    provider down: the SDK's "Processor is already shutdown" warning, about a provider that is not
+    this test's and not about any header (seen once in CI, with the e2e suite run before)."""
+    return record.name == "opentelemetry.sdk.trace.export" and "already shutdown" in record.getMessage()
+
+
 @pytest.mark.parametrize("attack", list(HOSTILE))
 async def test_hostile_trace_headers_start_a_fresh_trace(
     traced: Traced, attack: str, caplog: pytest.LogCaptureFixture
@@ -220,7 +227,7 @@ async def test_hostile_trace_headers_start_a_fresh_trace(
             hostile = await http.get("/v1/backends", headers=httpx.Headers(headers))
     assert hostile.status_code == plain.status_code == 200
     assert hostile.json() == plain.json()
-    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry") and not _late_span(r)]
     first, second = server_spans(traced.exported.get_finished_spans(), "/v1/backends")
     assert second.parent is None
     assert second.context.trace_id not in (first.context.trace_id, int(VALID_PARENT[3:35], 16))
