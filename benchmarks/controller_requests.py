@@ -71,7 +71,22 @@ def _free_port() -> int:
         return port
 
 
-def _config(path: Path, port: int) -> None:
+GPU_BACKEND = """[[clusters.backends]]
+id = "gpu"
+attributes = {{ "device-type" = ["gpu"], "device-variant" = ["h100"] }}
+devices = {{ h100 = 16 }}
+cpu_slots = 4
+"""
+
+CPU_BACKEND = """[[clusters.backends]]
+id = "cpu"
+attributes = {{ "device-type" = ["cpu"] }}
+cpu_slots = {slots}
+"""
+
+
+def _config(path: Path, port: int, backend: str) -> None:
+    """A federation of an empty home and one peer on ``port`` with ``backend`` (a TOML table)."""
     run_as = str(os.geteuid())
     path.write_text(
         f"""home = "home"
@@ -86,12 +101,7 @@ name = "peer"
 port = {port}
 run_as = "{run_as}"
 
-[[clusters.backends]]
-id = "gpu"
-attributes = {{ "device-type" = ["gpu"], "device-variant" = ["h100"] }}
-devices = {{ h100 = 16 }}
-cpu_slots = 4
-"""
+{backend}"""
     )
 
 
@@ -181,7 +191,7 @@ def run_size(n_jobs: int, requests: int, workdir: Path) -> dict[str, Any]:
     ids, saves = _fill(state_dir, n_jobs)
     port = _free_port()
     cfg = workdir / f"clusters-{n_jobs}.toml"
-    _config(cfg, port)
+    _config(cfg, port, GPU_BACKEND.format())
     proc, ready_s = _start(cfg, state_dir, port)
     out: dict[str, Any] = {"jobs": n_jobs, "ready_s": ready_s}
     if saves:
@@ -217,34 +227,11 @@ def run_size(n_jobs: int, requests: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
-def _cpu_config(path: Path, port: int, slots: int) -> None:
-    run_as = str(os.geteuid())
-    path.write_text(
-        f"""home = "home"
-[[clusters]]
-name = "home"
-port = {_free_port()}
-backends = []
-run_as = "{run_as}"
-
-[[clusters]]
-name = "peer"
-port = {port}
-run_as = "{run_as}"
-
-[[clusters.backends]]
-id = "cpu"
-attributes = {{ "device-type" = ["cpu"] }}
-cpu_slots = {slots}
-"""
-    )
-
-
 async def _finishing(n: int, workdir: Path, window_s: int = 60) -> dict[str, Any]:
     state_dir = workdir / "state-finishing"
     port = _free_port()
     cfg = workdir / "clusters-finishing.toml"
-    _cpu_config(cfg, port, n)
+    _config(cfg, port, CPU_BACKEND.format(slots=n))
     proc, _ = _start(cfg, state_dir, port)
     base = f"http://127.0.0.1:{port}"
     try:
