@@ -7,8 +7,10 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import pytest
 
 from iris.config import FederationConfig
 from iris.controller.client import ControllerClient
@@ -341,3 +344,16 @@ def process_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "zombie" not in status.lower()
+
+
+def world_python() -> str:
+    """A python3 that ``nobody`` can execute (every directory on its path world-searchable); the
+    test is skipped where there is none."""
+    found = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if found is None:
+        pytest.skip("no system python3 for the unprivileged job")
+    real = Path(found).resolve()
+    for part in [real, *real.parents]:
+        if not part.stat().st_mode & stat.S_IXOTH:
+            pytest.skip(f"{real} is not executable by others")
+    return str(real)

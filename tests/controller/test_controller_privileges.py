@@ -34,6 +34,7 @@ from controller_harness import (
     signer_for,
     start_controller,
     wait_terminal,
+    world_python,
     write_config,
 )
 
@@ -45,18 +46,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs
 SECRET = "IRIS_TEST_CONTROLLER_SECRET"
 SECRET_VALUE = "s3cret-of-the-controller-7f1d"
 JOB_USER = "nobody"
-
-
-def _job_python() -> str:
-    """A python3 that ``nobody`` can execute (every directory on its path world-searchable)."""
-    found = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
-    if found is None:
-        pytest.skip("no system python3 for the unprivileged job")
-    real = Path(found).resolve()
-    for part in [real, *real.parents]:
-        if not part.stat().st_mode & stat.S_IXOTH:
-            pytest.skip(f"{real} is not executable by others")
-    return str(real)
 
 
 @dataclass
@@ -109,7 +98,7 @@ def peer() -> Iterator[Peer]:
 
 
 async def _run(peer: Peer, code: str, **env: str) -> str:
-    req = request([_job_python(), "-c", code], backend_id="cpu", env=env or None)
+    req = request([world_python(), "-c", code], backend_id="cpu", env=env or None)
     async with peer.ctl.client(peer.signer) as c:
         await c.launch(req)
         status = await wait_terminal(c, req.job_id)

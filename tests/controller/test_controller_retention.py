@@ -10,7 +10,6 @@ import os
 import pwd
 import shutil
 import sqlite3
-import stat
 import tempfile
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from controller_harness import (
     run_controller_cli,
     start_controller,
     wait_terminal,
+    world_python,
     write_config,
 )
 
@@ -242,18 +242,6 @@ def test_a_bad_sweep_interval_is_a_config_error(tmp_path: Path, monkeypatch: pyt
         assert SWEEP_ENV in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def _world_python() -> str:
-    """A python3 that ``nobody`` can execute (every directory on its path world-searchable)."""
-    found = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
-    if found is None:
-        pytest.skip("no system python3 for the unprivileged job")
-    real = Path(found).resolve()
-    for part in [real, *real.parents]:
-        if not part.stat().st_mode & stat.S_IXOTH:
-            pytest.skip(f"{real} is not executable by others")
-    return str(real)
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs a root controller")
 async def test_work_dirs_of_another_user_are_removed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A root controller runs the job as ``nobody``: what the job left in its work directory is
@@ -270,7 +258,7 @@ async def test_work_dirs_of_another_user_are_removed(monkeypatch: pytest.MonkeyP
         try:
             code = WRITE_WORKDIR.replace("os.chmod(d, 0o500)", "os.chmod(d, 0o000)")
             async with ctl.client() as c:
-                await c.launch(request([_world_python(), "-c", code], job_id="ret/nobody", backend_id="cpu"))
+                await c.launch(request([world_python(), "-c", code], job_id="ret/nobody", backend_id="cpu"))
                 assert (await wait_terminal(c, "ret/nobody")).state is S.SUCCEEDED
                 (workdir,) = _work_dirs(ctl.state_dir, "ret/nobody", 1)
                 nobody = pwd.getpwnam("nobody").pw_uid

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from exposition import exposition
+from served import served
 
 from iris import devstack, metrics
 from iris.config import FederationConfig
@@ -99,24 +99,9 @@ async def peer(tmp_path: Path) -> AsyncIterator[Peer]:
         generate_keypair(key_dir, name)
     port = config.cluster(PEER).port
     app = create_app(config, PEER, tmp_path / "state", key_dir=key_dir, kill_grace_s=0.5)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on")
-    )
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if task.done():
-            task.result()
-        assert time.monotonic() < deadline, "the controller did not start"
-        await asyncio.sleep(0.02)
-    try:
+    async with served(app, port):
         routes = {str(getattr(r, "path", "")) for r in app.router.routes}
         yield Peer(config, key_dir, f"http://127.0.0.1:{port}", routes)
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 30)
 
 
 def launch(job_id: str, **kw: object) -> LaunchRequest:

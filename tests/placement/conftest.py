@@ -3,17 +3,14 @@ served by uvicorn in this process, and a SQLite federation store (helpers: place
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import uvicorn
 from placement_harness import PEER, Controller, Jobs, StandInJob, federation_config
+from served import served
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -67,21 +64,5 @@ async def controller(config: FederationConfig, tmp_path: Path) -> AsyncIterator[
     """cw-a's controller app, served by uvicorn in this process on its configured port."""
     port = config.cluster(PEER).port
     app = create_app(config, PEER, tmp_path / "cw-a-state", key_dir=tmp_path / "keys", kill_grace_s=0.5)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, access_log=False, lifespan="on")
-    )
-    # Signals stay the test runner's.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if task.done():
-            task.result()
-        assert time.monotonic() < deadline, "the controller did not start"
-        await asyncio.sleep(0.02)
-    try:
+    async with served(app, port):
         yield Controller(config, PEER)
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, 30)
