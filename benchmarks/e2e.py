@@ -77,6 +77,12 @@ GPU = "gpu"
 CPU = "cpu"
 TASK_QUEUE = "iris-bench"
 CEILING_QUEUE = "iris-bench-ceiling"
+LIGHT_USER = "bench-light@bench.local"
+LOAD_USER = "bench-load@bench.local"
+CANCEL_USER = "bench-cancel@bench.local"
+# Every job is signed by its user, who must be registered with a key (benchmarks/harness.py,
+# ``register_users``); the cancels are signed by the jobs' owner.
+USERS = {LIGHT_USER: ["user"], LOAD_USER: ["user"], CANCEL_USER: ["user"]}
 
 
 # ---- configuration -----------------------------------------------------------------------------
@@ -213,12 +219,12 @@ class Phase:
 
 
 async def light_phase(
-    stack: BenchStack, iris: AsyncIrisClient, n: int, cpu_fraction: float, deadline: Deadline, tag: str
+    stack: BenchStack, iris: AsyncIrisClient, n: int, cpu_fraction: float, deadline: Deadline
 ) -> Phase:
-    user = f"bench-{tag}@bench.local"
+    user = LIGHT_USER
     # Warm-up (imports, sandbox, first connections): one of each kind, not counted.
     for kind in (GPU, CPU):
-        spec = spec_for(kind, f"warm-{tag}-{kind}", user, ["true"])
+        spec = spec_for(kind, f"warm-light-{kind}", user, ["true"])
         await submit_and_wait(iris, spec, kind, within=deadline.bound(120))
     access = AccessLogCounter(stack.controller_logs())
     access.mark()
@@ -404,7 +410,7 @@ async def load_phase(
     deadline: Deadline,
     profile_dir: Path | None,
 ) -> Phase:
-    user = "bench-load@bench.local"
+    user = LOAD_USER
     access = AccessLogCounter(stack.controller_logs())
     access.mark()
     spies: list[PySpy] = []
@@ -459,8 +465,9 @@ async def cancel_phase(
     stack: BenchStack, iris: AsyncIrisClient, n: int, deadline: Deadline
 ) -> dict[str, Any]:
     """``n`` running sleep jobs on the peers; half cancelled one at a time, half in a burst."""
-    user = "bench-cancel@bench.local"
+    user = CANCEL_USER
     specs = [spec_for(GPU, f"cancel-{i:03d}", user, ["sleep", "600"]) for i in range(n)]
+    owner = iris.as_user(user)
     await gather_bounded((iris.submit_spec(s) for s in specs), 16)
 
     async def all_running() -> bool:
@@ -476,7 +483,7 @@ async def cancel_phase(
 
     async def cancel(spec: JobSpec) -> dict[str, Any]:
         t_cancel = int(time.time() * 1000)
-        await iris.cancel(spec.job_id, "benchmark cancel")
+        await owner.cancel(spec.job_id, "benchmark cancel")
         handle = iris.temporal.get_workflow_handle(spec.job_id, result_type=JobStatus)
         status: JobStatus = await asyncio.wait_for(handle.result(), deadline.bound(120))
         assert status.cluster is not None
@@ -747,11 +754,13 @@ async def run(args: argparse.Namespace) -> int:
     stack = BenchStack(root)
     print(f"stack in {root} ({info['uptime_before']})", flush=True)
     try:
-        await stack.start(configure(args), task_queue=TASK_QUEUE, dynamic_config=args.dynamic_config)
+        await stack.start(
+            configure(args), task_queue=TASK_QUEUE, users=USERS, dynamic_config=args.dynamic_config
+        )
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
         print(f"[{time.strftime('%X')}] light load: {args.light_jobs} jobs one at a time", flush=True)
-        light = await light_phase(stack, iris, args.light_jobs, args.cpu_fraction, deadline, "light")
+        light = await light_phase(stack, iris, args.light_jobs, args.cpu_fraction, deadline)
         profile = profile_of(light.histories)
         print(f"[{time.strftime('%X')}] ceiling: {args.jobs} no-op workflows {profile}", flush=True)
         ceiling_light, ceiling_a = await ceiling_phase(

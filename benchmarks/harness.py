@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -439,6 +439,26 @@ def free_port_config(base: FederationConfig, temporal_address: str, task_queue: 
     return cfg
 
 
+def register_users(cfg: FederationConfig, users: Mapping[str, Sequence[str]], key_dir: Path) -> None:
+    """Give each of ``users`` (principal → roles) a signing key in ``key_dir`` and register it in
+    ``cfg``, as ``iris dev`` does for its user: submissions, cancels and replays are signed and the
+    worker verifies them against the config's users (docs/DESIGN.md, "User → home").
+
+    This process signs with the keys in ``key_dir`` from then on (``$IRIS_USER_KEY_DIR``; an
+    ``$IRIS_USER_KEY`` naming one key for every principal is dropped), so a run never reads or
+    writes the real ``~/.config/iris``. A revision from before signed submissions has no
+    ``iris.userauth``: nothing to do (``--source`` may name one).
+    """
+    try:
+        from iris.userauth import USER_KEY_DIR_ENV, USER_KEY_ENV, register_user
+    except ImportError:
+        return
+    os.environ.pop(USER_KEY_ENV, None)
+    os.environ[USER_KEY_DIR_ENV] = str(key_dir)
+    for principal, roles in users.items():
+        register_user(cfg, principal, list(roles))
+
+
 class BenchStack:
     """The real stack for one benchmark run, in ``root`` (a temp directory)."""
 
@@ -466,9 +486,12 @@ class BenchStack:
         configure: Callable[[FederationConfig], None],
         *,
         task_queue: str,
+        users: Mapping[str, Sequence[str]] | None = None,
         dynamic_config: Sequence[str] = (),
     ) -> None:
-        """``dynamic_config``: ``key=value`` server settings (``--dynamic-config-value``)."""
+        """``users``: the principals the benchmark submits (and cancels) as, with their roles; each
+        gets a signing key in this run's own directory (``register_users``).
+        ``dynamic_config``: ``key=value`` server settings (``--dynamic-config-value``)."""
         extra: list[str] = []
         for kv in dynamic_config:
             extra += ["--dynamic-config-value", kv]
@@ -483,6 +506,7 @@ class BenchStack:
         address = self.env.client.service_client.config.target_host
         cfg = free_port_config(load_config(), address, task_queue)
         configure(cfg)
+        register_users(cfg, users or {}, self.root / "user-keys")
         self._config = cfg
         self.config_file.write_text(cfg.model_dump_json(indent=2))
         # The home side's credentials only; each controller gets its own from devstack.controller.
