@@ -360,11 +360,9 @@ class Fresh:
     state: str
 
 
-def configure(
-    args: argparse.Namespace, n: int, user_keys: Path
-) -> tuple[Callable[[FederationConfig], None], int]:
-    """The demo topology with room for N on the two peers (and the fresh jobs), and this run's
-    user registered; (the stack's configure step, H100 slots per peer)."""
+def configure(args: argparse.Namespace, n: int) -> tuple[Callable[[FederationConfig], None], int]:
+    """The demo topology with room for N on the two peers (and the fresh jobs); (the stack's
+    configure step, H100 slots per peer)."""
     slots = args.peer_slots or math.ceil((n + 4 * args.fresh + 8) / 2)
 
     def apply(cfg: FederationConfig) -> None:
@@ -374,14 +372,6 @@ def configure(
                     b.devices = {t: slots for t in b.devices}
         if args.max_per_peer is not None:
             cfg.max_per_peer_per_tick = args.max_per_peer if args.max_per_peer > 0 else None
-        # Submissions are signed by their user (docs/DESIGN.md, "User → home"): the benchmark's
-        # user gets a key of its own and is registered in this stack's config, if the measured
-        # revision knows users at all.
-        with contextlib.suppress(ImportError):
-            from iris.userauth import USER_KEY_DIR_ENV, register_user
-
-            os.environ[USER_KEY_DIR_ENV] = str(user_keys)
-            register_user(cfg, USER, ["user"])
 
     return apply, slots
 
@@ -495,13 +485,14 @@ async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dic
     root = Path(tempfile.mkdtemp(prefix="iris-bench-running-"))
     stack = BenchStack(root)
     gate = Gate()
-    apply, slots = configure(args, n, root / "user-keys")
+    apply, slots = configure(args, n)
     out: dict[str, Any] = {"jobs": n, "peer_slots": slots}
     print(f"\n[{time.strftime('%X')}] N={n}: stack in {root} ({uptime_line()})", flush=True)
     samples: list[Sample] = []
     sampler: asyncio.Task[None] | None = None
     try:
-        await stack.start(apply, task_queue=TASK_QUEUE)
+        # Submissions are signed by their user (docs/DESIGN.md, "User → home").
+        await stack.start(apply, task_queue=TASK_QUEUE, users={USER: ["user"]})
         metrics_url = await start_worker_with_metrics(stack)
         assert stack.worker is not None and stack.worker.proc is not None
         wpid = stack.worker.proc.pid

@@ -62,6 +62,8 @@ from iris.contract import SA_STATE, manager_workflow_id
 from iris.jobs import JobState
 
 TASK_QUEUE = "iris-bench-scale"
+FILLER_USER = "bench-filler@bench.local"
+SCALE_USER = "bench-scale@bench.local"
 PEER_SLOTS = 8
 
 
@@ -138,7 +140,9 @@ async def run(args: argparse.Namespace) -> int:
     stack = BenchStack(root)
     print(f"stack in {root} ({info['uptime_before']})", flush=True)
     try:
-        await stack.start(configure, task_queue=TASK_QUEUE)
+        # Submissions are signed by their user (docs/DESIGN.md, "User → home").
+        users = {FILLER_USER: ["user"], SCALE_USER: ["user"]}
+        await stack.start(configure, task_queue=TASK_QUEUE, users=users)
         worker = await stack.start_worker()
         assert worker.proc is not None
         wpid = worker.proc.pid
@@ -151,7 +155,7 @@ async def run(args: argparse.Namespace) -> int:
             build_spec(
                 ["sleep", "3600"],
                 name=f"filler-{p}",
-                user="bench-filler@bench.local",
+                user=FILLER_USER,
                 device_type="h100",
                 gpu_count=PEER_SLOTS,
                 target_cluster=p,
@@ -169,7 +173,7 @@ async def run(args: argparse.Namespace) -> int:
         print(f"[{time.strftime('%X')}] peers full; submitting {args.jobs} queued jobs", flush=True)
 
         samples: list[Sample] = []
-        user = "bench-scale@bench.local"
+        user = SCALE_USER
         counts = {"submitted": 0, "queued": 0}
         t0 = time.monotonic()
         t0_ms = int(time.time() * 1000)
@@ -295,7 +299,7 @@ async def run(args: argparse.Namespace) -> int:
         info["uptime_after"] = uptime_line()
 
         states: dict[str, int] = {}
-        async for wf in stack.client.list_workflows("IrisSubmitter = 'bench-scale@bench.local'"):
+        async for wf in stack.client.list_workflows(f"IrisSubmitter = '{SCALE_USER}'"):
             st = wf.typed_search_attributes.get(SA_STATE) or "?"
             key = st if wf.status is None or wf.status.name == "RUNNING" else f"{st} ({wf.status.name})"
             states[key] = states.get(key, 0) + 1

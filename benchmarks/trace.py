@@ -96,7 +96,6 @@ import asyncio
 import contextlib
 import heapq
 import importlib
-import os
 import random
 import shutil
 import tempfile
@@ -592,19 +591,9 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
     from benchmarks.harness import BenchStack, gather_bounded, uptime_line
     from benchmarks.running import controller_db, read_jobs
     from iris.client import AsyncIrisClient, build_spec
-    from iris.config import FederationConfig
 
     root = Path(tempfile.mkdtemp(prefix="iris-bench-trace-"))
     stack = BenchStack(root)
-
-    def apply(cfg: FederationConfig) -> None:
-        # Submissions are signed by their user (docs/DESIGN.md, "User → home"); production needs the
-        # admin role.
-        with contextlib.suppress(ImportError):
-            from iris.userauth import USER_KEY_DIR_ENV, register_user
-
-            os.environ[USER_KEY_DIR_ENV] = str(root / "user-keys")
-            register_user(cfg, USER, ["user", "admin"])
 
     print(f"[{time.strftime('%X')}] stack in {root} ({uptime_line()})", flush=True)
     seen: dict[tuple[str, str], Seen] = {}
@@ -613,7 +602,9 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
     errors: list[str] = []
     sampler: asyncio.Task[None] | None = None
     try:
-        await stack.start(apply, task_queue=TASK_QUEUE)
+        # Submissions are signed by their user (docs/DESIGN.md, "User → home"); the production band
+        # needs the admin role.
+        await stack.start(lambda _cfg: None, task_queue=TASK_QUEUE, users={USER: ["user", "admin"]})
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
         dbs = {c.name: controller_db(stack, c.name) for c in stack.config.clusters}

@@ -74,8 +74,8 @@ USER = "bench-workers@bench.local"
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
-def configure(args: argparse.Namespace, user_keys: Path) -> Any:
-    """The demo topology with room (capacity is not what is measured), and this run's user."""
+def configure(args: argparse.Namespace) -> Any:
+    """The demo topology with room (capacity is not what is measured)."""
 
     def apply(cfg: FederationConfig) -> None:
         for c in cfg.clusters:
@@ -83,12 +83,6 @@ def configure(args: argparse.Namespace, user_keys: Path) -> Any:
                 b.cpu_slots = args.cpu_slots
                 if b.devices:
                     b.devices = {t: args.peer_slots for t in b.devices}
-        # Submissions are signed by their user (docs/DESIGN.md, "User → home").
-        with contextlib.suppress(ImportError):
-            from iris.userauth import USER_KEY_DIR_ENV, register_user
-
-            os.environ[USER_KEY_DIR_ENV] = str(user_keys)
-            register_user(cfg, USER, ["user"])
 
     return apply
 
@@ -229,7 +223,8 @@ async def run(args: argparse.Namespace) -> int:
     try:
         with fresh_database(args.postgres) as url:
             os.environ[STORE_URL_ENV] = url  # every worker process inherits it
-            await stack.start(configure(args, root / "user-keys"), task_queue=TASK_QUEUE)
+            # Submissions and cancels are signed by their user (docs/DESIGN.md, "User → home").
+            await stack.start(configure(args), task_queue=TASK_QUEUE, users={USER: ["user"]})
             workers = Workers(stack)
             try:
                 await workers.scale(1)
