@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -124,14 +123,11 @@ class RssPeak:
 async def test_a_huge_answer_is_refused_without_filling_memory(peer: Peer, chunked: bool) -> None:
     peer.answers["/v1/backends"] = Answer(content_type="application/json", huge=True, chunked=chunked)
     async with ControllerClient(peer.url, timeout=60) as c:
-        with RssPeak() as rss:
-            started = time.monotonic()
-            with pytest.raises(Unavailable) as err:
-                await c.backends()
+        with RssPeak() as rss, pytest.raises(Unavailable) as err:
+            await c.backends()
     assert rss.growth_mib < 64, f"RSS grew by {rss.growth_mib:.0f} MiB"
     assert f"larger than {MAX_RESPONSE_BYTES} bytes" in err.value.message
     assert err.value.retryable
-    assert time.monotonic() - started < 30
     # It stopped reading early: the peer could not push (much) more than the cap plus socket buffers.
     assert await asyncio.to_thread(peer.done.wait, 10)
     assert peer.sent[0] < HUGE

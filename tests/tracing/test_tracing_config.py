@@ -46,24 +46,22 @@ def config(endpoint: str = "") -> FederationConfig:
 
 def test_off_by_default_imports_nothing_and_starts_nothing() -> None:
     """A process with nothing configured: configure says off, adds no interceptor, imports no
-    OpenTelemetry module and starts no thread (no exporter, no network)."""
+    OpenTelemetry module and starts no thread (no exporter, no network). That is what "no cost"
+    means here; how long configure takes is a figure for benchmarks/, not an assertion."""
     probe = """
-import json, sys, threading, time
+import json, sys, threading
 from iris import tracing
 from iris.config import load_config
 from iris.controller.client import ControllerClient
 import iris.temporal
 cfg = load_config()
-start = time.perf_counter()
 on = tracing.configure(cfg, tracing.CLIENT_SERVICE)
-took = time.perf_counter() - start
 client = ControllerClient("http://127.0.0.1:1")
 print(json.dumps({
     "on": on,
     "interceptors": len(tracing.client_interceptors()),
     "otel": sorted(m for m in sys.modules if m.startswith("opentelemetry")),
     "threads": threading.active_count(),
-    "took": took,
 }))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -72,12 +70,10 @@ print(json.dumps({
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    print("tracing off: configure took", result["took"], "s")
     assert result["on"] is False
     assert result["interceptors"] == 0
     assert result["otel"] == []
     assert result["threads"] == 1
-    assert result["took"] < 0.01
 
 
 def test_off_means_no_instrumentation() -> None:

@@ -674,6 +674,10 @@ class Federation:
                     await handle.terminate("the test is over")
 
 
+# The simulated time a federation's teardown sleeps to check that the server still skips time.
+SKIP_CHECK_S = 60.0
+
+
 async def running_federation(env: WorkflowEnvironment) -> AsyncIterator[Federation]:
     """A ``Federation`` whose worker runs until the test is over."""
     now = await env_now_ms(env)
@@ -693,13 +697,17 @@ async def running_federation(env: WorkflowEnvironment) -> AsyncIterator[Federati
         finally:
             await fed.end_leftovers()
         if env.supports_time_skipping:
-            # The test left time skipping working for the next one (see end_leftovers).
+            # The test left time skipping working for the next one (see end_leftovers): a skipping
+            # server answers a minute's sleep at once; one that went back to real time needs the
+            # whole minute. The guard sits below that minute, so it always catches real time, and
+            # far above any answer a loaded machine gives (two suites on two cores took over 5 s).
             try:
-                await asyncio.wait_for(env.sleep(60), 5)
+                await asyncio.wait_for(env.sleep(SKIP_CHECK_S), SKIP_CHECK_S * 0.75)
             except TimeoutError:
                 raise AssertionError(
-                    "the test server stopped skipping time (it does after an activity of a closed "
-                    "workflow completes): every later test would run in real time"
+                    f"the test server did not skip {SKIP_CHECK_S:.0f} s of its time within "
+                    f"{SKIP_CHECK_S * 0.75:.0f} s of real time: it stopped skipping (it does after an "
+                    "activity of a closed workflow completes), and every later test would run in real time"
                 ) from None
 
 

@@ -1,9 +1,8 @@
 """A queued job's scheduling deadline (docs/DESIGN.md, "Deadlines"): passed, the job is
-UNSCHEDULABLE and never promoted. Time skipping: an hour-long deadline passes in milliseconds."""
+UNSCHEDULABLE and never promoted. Time skipping: an hour-long deadline passes in simulated time
+(in real time the test would outlive its 300 s timeout)."""
 
 from __future__ import annotations
-
-import time
 
 from job_doubles import Federation, gpu_spec, status
 
@@ -16,12 +15,10 @@ from workflows.job import JobWorkflow
 async def test_a_queued_job_whose_deadline_passes_becomes_unschedulable(fed: Federation) -> None:
     spec = gpu_spec("deadline", fed.now_ms, scheduling_timeout_s=3600)
     handle = await fed.queued(spec)
-    started = time.monotonic()
 
     await fed.env.sleep(3601)  # the test server skips the hour
     st = await fed.result(handle)
 
-    assert time.monotonic() - started < 5
     assert (st.state, st.reason) == (JobState.UNSCHEDULABLE, DEADLINE_PASSED)
     assert st.updated_ms >= spec.submit_ms + 3_600_000
     assert fed.fake.expired == [spec.job_id]
