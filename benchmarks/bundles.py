@@ -63,6 +63,7 @@ from benchmarks.harness import (
     uptime_line,
     write_json,
 )
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris.bundle import (
     MAX_WORKSPACE_BYTES,
@@ -897,7 +898,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the temp directory (stack and workspaces)")
     add_source_argument(p)
-    args = p.parse_args()
+    args = parse_args(p, {"runs": 1, "sizes": "1", "timeout": 300})
     run_main(lambda: run(args))
 
 

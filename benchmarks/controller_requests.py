@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 
 from benchmarks.harness import CLK_TCK, machine, percentile, table, write_json
+from benchmarks.smoke import parse_args
 from benchmarks.source import cleanup_snapshot, source_label
 from iris.controller.models import ControllerJobState, LaunchRequest
 from iris.controller.state import JobRecord, StateStore, now_ms
@@ -227,7 +228,7 @@ def run_size(n_jobs: int, requests: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
-async def _finishing(n: int, workdir: Path, window_s: int = 60) -> dict[str, Any]:
+async def _finishing(n: int, workdir: Path, window_s: int = 60, lead_s: int = 30) -> dict[str, Any]:
     state_dir = workdir / "state-finishing"
     port = _free_port()
     cfg = workdir / "clusters-finishing.toml"
@@ -237,7 +238,8 @@ async def _finishing(n: int, workdir: Path, window_s: int = 60) -> dict[str, Any
     try:
         async with httpx.AsyncClient(base_url=base, timeout=60) as client:
             # Every job ends at a whole second of [end0, end0 + window_s): sh execs sleep for the rest.
-            end0 = int(time.time()) + 30 + n // 25
+            # The first end comes ``lead_s`` (and 1 s per 25 jobs) after now: time to launch them all.
+            end0 = int(time.time()) + lead_s + n // 25
             sem = asyncio.Semaphore(16)
             launched_at = time.monotonic()
 
@@ -336,9 +338,16 @@ def main() -> int:
     p.add_argument(
         "--finishing", type=int, default=0, help="then N sleep jobs ending over one minute (0: skip)"
     )
+    p.add_argument(
+        "--finish-window", type=int, default=60, help="seconds over which the --finishing jobs end"
+    )
+    p.add_argument("--finish-lead", type=int, default=30, help="seconds to the first end (+1 per 25 jobs)")
     p.add_argument("--source", default="HEAD", help="git revision, 'worktree' or a directory")
     p.add_argument("--out", type=Path, help="write the results as JSON")
-    args = p.parse_args()
+    args = parse_args(
+        p,
+        {"jobs": "0,50", "requests": 20, "finishing": 10, "finish_window": 3, "finish_lead": 2},
+    )
     sizes = [int(s) for s in args.jobs.split(",") if s.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="iris-bench-requests-"))
     results: list[dict[str, Any]] = []
@@ -348,8 +357,10 @@ def main() -> int:
             print(f"{n} finished jobs...", flush=True)
             results.append(run_size(n, args.requests, workdir))
         if args.finishing:
-            print(f"{args.finishing} jobs ending within a minute...", flush=True)
-            finishing = asyncio.run(_finishing(args.finishing, workdir))
+            print(f"{args.finishing} jobs ending within {args.finish_window} s...", flush=True)
+            finishing = asyncio.run(
+                _finishing(args.finishing, workdir, window_s=args.finish_window, lead_s=args.finish_lead)
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         cleanup_snapshot()

@@ -66,6 +66,7 @@ from benchmarks.harness import (
     wait_until,
     write_json,
 )
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
@@ -522,7 +523,7 @@ def _lat(jobs: Sequence[JobTimes], attr: str, kind: str | None = None) -> list[f
 
 
 def _throughput(phase: Phase, attr: str) -> float:
-    times = [getattr(j, attr) for j in phase.jobs if getattr(j, attr) is not None]
+    times: list[int] = [getattr(j, attr) for j in phase.jobs if getattr(j, attr) is not None]
     if not times:
         return float("nan")
     return len(times) / max(0.001, (max(times) - phase.t0_ms) / 1000)
@@ -555,6 +556,12 @@ def report(
         f"{args.concurrency} starts in flight; peers {args.peer_slots} h100 slots each; "
         f"max {args.max_per_peer if args.max_per_peer is not None else 'config (8)'} per peer per tick"
     )
+    states = {p.name: dict(Counter(j.state for j in p.jobs)) for p in (light, load)}
+    states["cancel (home/peer)"] = dict(
+        Counter(f"{c['state']}/{c['remote_state']}" for m in cancels.values() for c in m)
+    )
+    print("job states: " + "; ".join(f"{name} {counts}" for name, counts in states.items()))
+    out["job_states"] = states
 
     # Throughput.
     ceiling_a, ceiling_b = ceilings
@@ -637,7 +644,7 @@ def report(
     print("\nLatency (ms)")
     print(table(["", "n", "p50", "p95", "p99", "max"], lat_rows))
     out["latency_ms"] = lat
-    out["cancel_states"] = Counter(f"{c['state']}/{c['remote_state']}" for m in cancels.values() for c in m)
+    out["cancel_states"] = states["cancel (home/peer)"]
 
     # Per-job cost.
     print("\nPer job: history (means over sampled histories) and controller requests")
@@ -822,7 +829,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
     add_source_argument(p)
-    args = p.parse_args()
+    args = parse_args(p, {"jobs": 5, "light_jobs": 2, "cancel_jobs": 2, "cpu_fraction": 0.5, "timeout": 300})
     run_main(lambda: run(args))
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+from benchmarks.smoke import parse_args
 from iris.policy import (
     Availability,
     BackendReport,
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clusters", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--repeat", type=int, default=5, help="ticks timed per case (median reported)")
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, {"jobs": [300], "clusters": [5], "repeat": 1}, argv)
 
     header = (
         f"{'jobs':>6} {'clusters':>8} {'backends':>8} {'placed':>6} {'waiting':>7} {'median ms':>10} "

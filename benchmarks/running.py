@@ -85,6 +85,7 @@ from benchmarks.harness import (
     uptime_line,
     write_json,
 )
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris import devstack
 from iris.client import AsyncIrisClient, build_spec
@@ -1122,7 +1123,24 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stacks' temp directories")
     add_source_argument(p)
-    args = p.parse_args()
+    smoke = {
+        "jobs": [4],
+        "idle_s": 2,
+        "hold_s": 2,
+        "settle_s": 0,
+        "fresh": 1,
+        "fresh_timeout": 30,
+        "spread_s": 2,
+        "plateau_s": 10,
+        "ramp_timeout": 60,
+        "drain_timeout": 60,
+        "result_sample": 4,
+        "history_sample": 2,
+        "sample_interval": 0.5,
+        "print_every": 2,
+        "timeout": 300,
+    }
+    args = parse_args(p, smoke)
     run_main(lambda: run(args))
 
 

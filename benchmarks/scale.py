@@ -55,6 +55,7 @@ from benchmarks.harness import (
     wait_until,
     write_json,
 )
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
@@ -487,7 +488,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
     add_source_argument(p)
-    args = p.parse_args()
+    args = parse_args(p, {"jobs": 10, "settle": 3, "sample_interval": 1, "history_sample": 5, "timeout": 300})
     run_main(lambda: run(args))
 
 

@@ -46,9 +46,10 @@ import dataclasses
 import math
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, run_from_snapshot
 
 
@@ -88,8 +89,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, ``--smoke`` (benchmarks/smoke.py) included."""
+    return parse_args(parser(), {"minutes": 0.3}, argv)
+
+
 if __name__ == "__main__":
-    parser().parse_args()
+    parse()
     run_from_snapshot("benchmarks.trace", sys.argv[1:])
 
 import asyncio
@@ -100,7 +106,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -937,7 +943,7 @@ async def run(args: argparse.Namespace) -> int:
 def main() -> None:
     from benchmarks.harness import run_main
 
-    args = parser().parse_args()
+    args = parse()
     run_main(lambda: run(args))
 
 

@@ -37,6 +37,7 @@ from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from benchmarks.smoke import parse_args
 from iris import tracing
 from iris.config import load_config
 from iris.controller.app import create_app
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="measure the SDK's default W3C trace-context and baggage propagators instead of Iris's",
     )
-    args = parser.parse_args(argv)
+    args = parse_args(parser, {"rounds": 2}, argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="iris-bench-tracing-") as work:

@@ -64,6 +64,7 @@ from benchmarks.harness import (
     uptime_line,
     write_json,
 )
+from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris import devstack
 from iris.client import AsyncIrisClient
@@ -360,7 +361,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
     add_source_argument(p)
-    args = p.parse_args()
+    args = parse_args(p, {"jobs": 5, "workers": "1,2", "timeout": 300})
     run_main(lambda: run(args))
 
 
