@@ -1,23 +1,36 @@
-"""Session fixtures: the real stack, started once (see tests/stack.py).
+"""Session fixtures: the real stack, started once per test process (see tests/stack.py).
 
 ``stack`` is the stack whose GPU peers run their jobs as processes (``config/clusters.toml``); every
-test module uses it. ``ray_stack`` is the same federation with those peers' backends on a real local
-Ray head (``config/clusters-ray.toml``); it starts only when a test asks for it. A module whose
-scheduling tests must pass whichever backend a peer uses (issue 6) overrides ``stack`` with
-``stack_per_backend``: each of its tests then runs as ``test_x[process]`` and ``test_x[ray]``. Both
-stacks share one key directory: the worker's activities find it through ``$IRIS_KEY_DIR``, one
-value per test process.
+test module uses it. ``ray_stack`` is the same federation with those peers' backends on the test
+process's one real Ray head (``ray_head``, tests/rayhead.py, ``config/clusters-ray.toml``); it starts
+only when a test asks for it. A module whose scheduling tests must pass whichever backend a peer
+uses (issue 6) overrides ``stack`` with ``stack_per_backend``: each of its tests then runs as
+``test_x[process]`` and ``test_x[ray]``. Both stacks share one key directory: the worker's
+activities find it through ``$IRIS_KEY_DIR``, one value per test process.
+
+The suite runs in parallel (pytest-xdist, ``-n`` in pyproject.toml): each test process has its own
+stacks, on free ports and in its own data directories. ``pytest_collection_modifyitems`` sends a
+module's tests to one process (module fixtures start once), and every test that uses Ray to the same
+one (one Ray head). Each stack checks at its teardown what it produced: no process took another
+cluster's secret (tests/isolation.py) and no secret is in its histories or the session's files
+(tests/security/secret_scan.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import budget
 import pytest
 from isolation import isolation_violations
-from stack import Backend, Stack, StackRunner
+from rayhead import HEAD_CPUS, local_head, session_resources
+from secret_scan import report, scan_session_files, scan_stack
+from stack import CONFIGS, Backend, Stack, StackRunner
+
+from iris import devstack
+from iris.config import load_config
 
 pytest_plugins = ["graceful"]
 
@@ -66,13 +79,54 @@ def needs_services(item: pytest.Item) -> bool:
     return len(relative.parts) > 1 and relative.parts[0] in E2E_DIRS
 
 
+# Fixtures that reach the test process's Ray head.
+RAY_FIXTURES = frozenset({"ray_head", "ray_stack", "ray_proxies"})
+# The xdist group of every test that uses Ray: one test process runs them all, on one head.
+RAY_GROUP = "ray"
+
+
+def uses_ray(item: pytest.Item) -> bool:
+    if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and callspec.params.get("stack_per_backend") == "ray"
+
+
+def xdist_group(item: pytest.Item) -> str:
+    """The test process a test runs in, by name (``--dist loadgroup``): every Ray user in one, each
+    other module's tests together (its module fixtures start once, its tests keep their order)."""
+    if uses_ray(item):
+        return RAY_GROUP
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if needs_services(item):
             item.add_marker(pytest.mark.e2e)
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item)))
         # Service-free but minutes long (months of simulated history): the full suite runs them.
         if budget.FAST and item.get_closest_marker("long") is not None:
             item.add_marker(pytest.mark.skip(reason="long: runs in the full suite (uv run pytest)"))
+
+
+# A skip that says only that something is missing (PostgreSQL, chromium, Prometheus, root) would
+# hide coverage. Under CI (``CI=true``, set by .ci/run) it fails instead, saying why in one line; the
+# only skips CI accepts are the opt-in ones (their reason starts with "opt-in").
+def ci_forbids_skips() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    report: pytest.TestReport = yield
+    if report.skipped and ci_forbids_skips() and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not reason.startswith("opt-in"):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true, which runs every test: {reason}"
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -80,27 +134,76 @@ def stack_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("keys")
 
 
-async def running_stack(root: Path, backend: Backend, key_dir: Path) -> AsyncIterator[Stack]:
-    runner = StackRunner(root, backend, key_dir=key_dir)
+@pytest.fixture(scope="session", autouse=True)
+def session_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After every test and stack of this test process: no private key in use and no store
+    credential of the federation's clusters is in any file the session wrote (stack logs,
+    controller state, relayed job logs, every test's temporary directory; tests/secret_scan.py).
+    The stacks depend on it, so it runs after their teardown."""
+    yield
+    scan = scan_session_files(load_config(CONFIGS["process"]), [tmp_path_factory.getbasetemp()])
+    print("\n" + report(scan))
+    assert scan.hits == [], "\n".join(scan.hits[:50])
+
+
+# A stack start that fails is retried on fresh ports this often: with several test processes, a port
+# found free can be taken by another before the service binds it.
+STACK_START_TRIES = 3
+
+
+async def running_stack(
+    factory: pytest.TempPathFactory,
+    backend: Backend,
+    key_dir: Path,
+    ray_head: devstack.RayHeadSpec | None = None,
+) -> AsyncIterator[Stack]:
+    for attempt in range(1, STACK_START_TRIES + 1):
+        runner = StackRunner(factory.mktemp(f"stack-{backend}"), backend, key_dir=key_dir, ray_head=ray_head)
+        try:
+            stack = await runner.start()
+            break
+        except (devstack.ServiceError, OSError, RuntimeError) as exc:
+            await runner.stop()
+            if attempt == STACK_START_TRIES:
+                raise
+            print(f"\nstack start {attempt} failed, retrying on fresh ports: {exc}")
     try:
-        stack = await runner.start()
         yield stack
         # After every test that used it: no process took another cluster's secret (acceptance 3 of
-        # issue 16, tests/e2e/test_credential_isolation.py checks it mid-suite too).
+        # issue 16, tests/e2e/test_credential_isolation.py checks it mid-suite too), and no secret
+        # is in its histories or in what its tests received.
         assert isolation_violations(stack) == []
+        scan = await scan_stack(stack, [factory.getbasetemp()])
+        print(f"\n{backend} stack: " + report(scan))
+        assert scan.items.get("history", 0) > 0
+        assert scan.hits == [], "\n".join(scan.hits[:50])
     finally:
         await runner.stop()
 
 
 @pytest.fixture(scope="session")
-async def process_stack(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> AsyncIterator[Stack]:
-    async for s in running_stack(tmp_path_factory.mktemp("stack"), "process", stack_keys):
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayHeadSpec]:
+    """The test process's one real Ray head, for every Ray user (tests/rayhead.py)."""
+    with local_head(session_resources(), HEAD_CPUS, tmp_path_factory.mktemp("ray")) as spec:
+        yield spec
+
+
+@pytest.fixture(scope="session")
+async def process_stack(
+    tmp_path_factory: pytest.TempPathFactory, stack_keys: Path, session_files: None
+) -> AsyncIterator[Stack]:
+    async for s in running_stack(tmp_path_factory, "process", stack_keys):
         yield s
 
 
 @pytest.fixture(scope="session")
-async def ray_stack(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> AsyncIterator[Stack]:
-    async for s in running_stack(tmp_path_factory.mktemp("stack-ray"), "ray", stack_keys):
+async def ray_stack(
+    tmp_path_factory: pytest.TempPathFactory,
+    stack_keys: Path,
+    session_files: None,
+    ray_head: devstack.RayHeadSpec,
+) -> AsyncIterator[Stack]:
+    async for s in running_stack(tmp_path_factory, "ray", stack_keys, ray_head):
         yield s
 
 

@@ -14,12 +14,13 @@ import pwd
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from faultproxy import FaultProxy
+from rayhead import on_ray_head
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
@@ -61,9 +62,6 @@ CONFIGS: dict[str, Path] = {
     "process": PROJECT_ROOT / "config" / "clusters.toml",
     "ray": PROJECT_ROOT / "config" / "clusters-ray.toml",
 }
-# CPUs of the stack's Ray head. Each replica's entrypoint reserves its backend's ray_cpus (0.1): enough
-# for both peers' CPU slots (8 + 8) and chips (16 + 8, at most one replica each) busy at once.
-RAY_HEAD_CPUS = 4
 
 
 def free_port_config(base: FederationConfig, temporal_address: str) -> FederationConfig:
@@ -83,15 +81,6 @@ def free_port_config(base: FederationConfig, temporal_address: str) -> Federatio
             port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
             c.object_store.endpoint = f"http://127.0.0.1:{port}"
     return cfg
-
-
-def on_ray_head(cfg: FederationConfig, head_address: str, gcs_address: str) -> None:
-    """Point every Ray backend of ``cfg`` at one head (in place); their resource names stay."""
-    for c in cfg.clusters:
-        for b in c.backends:
-            if b.kind == "ray":
-                b.address = head_address
-                b.gcs_address = gcs_address
 
 
 class StackClient(AsyncIrisClient):
@@ -130,6 +119,9 @@ class Stack:
     backend: Backend = "process"
     services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
+    # Response bodies tests received from this stack's services, for the secret scan at its
+    # teardown (tests/secret_scan.py).
+    responses: list[str] = field(default_factory=list)
 
     def put_artifact(self, bucket: str, key: str, data: bytes = b"shard") -> None:
         """Put an object into an S3 bucket of the emulator, with the emulator's own test
@@ -195,17 +187,27 @@ class StackRunner:
     """Starts and stops one stack of the session.
 
     ``backend`` chooses where the GPU peers run their jobs: ``"process"`` (``config/clusters.toml``)
-    or ``"ray"`` (``config/clusters-ray.toml`` on a Ray head of this stack's own, on free ports).
+    or ``"ray"`` (``config/clusters-ray.toml`` on ``ray_head``, the test process's one Ray head,
+    tests/rayhead.py).
     ``key_dir`` holds one key directory per cluster (iris/keydirs.py); stacks sharing one test
     process must share it, since the worker's activities read the home cluster's directory from
     ``$IRIS_KEY_DIR`` at each call.
     """
 
-    def __init__(self, root: Path, backend: Backend = "process", *, key_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        backend: Backend = "process",
+        *,
+        key_dir: Path | None = None,
+        ray_head: devstack.RayHeadSpec | None = None,
+    ) -> None:
+        if (backend == "ray") != (ray_head is not None):
+            raise ValueError("a Ray-backed stack needs the session's Ray head, and only it does")
         self.root = root
         self.backend = backend
         self.key_dir = key_dir or root / "keys"
-        self.ray: devstack.ManagedProcess | None = None
+        self.ray_head = ray_head
         self.env: WorkflowEnvironment | None = None
         self.worker: Worker | None = None
         self.worker_task: asyncio.Task[None] | None = None
@@ -215,14 +217,9 @@ class StackRunner:
 
     async def start(self) -> Stack:
         base = load_config(CONFIGS[self.backend])
-        if self.backend == "ray":
-            # One head for both peers, its resources named per peer (as in `iris dev --ray`); GCS
-            # on a free port, never Ray's default 6379 (Redis's). It starts first: it is the slowest.
-            head_port, gcs_port = devstack.free_port(), devstack.free_port()
-            on_ray_head(base, f"http://127.0.0.1:{head_port}", f"127.0.0.1:{gcs_port}")
-            (spec,) = devstack.ray_heads_for(base)
-            self.ray = devstack.ray_head(replace(spec, num_cpus=RAY_HEAD_CPUS), self.root)
-            self.ray.start()
+        if self.ray_head is not None:
+            # Both peers on the session's head, their resources named per peer (as in `iris dev --ray`).
+            on_ray_head(base, self.ray_head)
         self.ui_port = devstack.free_port()
         self.env = await WorkflowEnvironment.start_local(
             ui=True,
@@ -266,8 +263,6 @@ class StackRunner:
                 for c in cfg.clusters
             ),
         ]
-        if self.ray is not None:
-            await asyncio.to_thread(self.ray.wait_ready, 120)
         for svc in services:
             svc.start()
             self.services.append(svc)
@@ -309,6 +304,3 @@ class StackRunner:
             self.store.close()
         if self.env is not None:
             await self.env.shutdown()
-        if self.ray is not None:
-            # Only this stack's head, never `ray stop` (it would end every Ray on the machine).
-            await asyncio.to_thread(devstack.stop_ray_head, self.ray)

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if CHAOS_ENABLED:
         return
     skip = pytest.mark.skip(
-        reason="the chaos suite takes minutes: run it with IRIS_CHAOS=1 (docs/RELIABILITY.md)"
+        reason="opt-in: the chaos suite takes minutes: run it with IRIS_CHAOS=1 (docs/RELIABILITY.md)"
     )
     for item in items:
         if item.get_closest_marker("chaos") is not None:

@@ -5,9 +5,10 @@ stops them (SIGTERM, then SIGKILL after the cluster's grace); they end PREEMPTED
 them and when, and the waiting job starts when their devices return. ``held_by_band`` in the
 capacity report matches the RUNNING jobs after every change the change feed shows.
 
-The head is this module's own (started like tests/ray/conftest.py's), with one custom resource per
-test, so a test never sees another's jobs; each test stops what it left in Ray. Job ids are unique
-across the module: Ray keeps every submission id it was given."""
+The head is the test process's one Ray head (``ray_head``, tests/rayhead.py), each test on a custom
+resource of its own, so a test never sees another's jobs; each test stops what it left in Ray, and
+only that. Job ids are unique across the session's Ray users: Ray keeps every submission id it was
+given."""
 
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 # The Ray tests' helpers and the controller tests' harness are shared.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ray"))
@@ -29,7 +28,8 @@ from controller_harness import cluster, federation, py, request
 from feedcheck import FeedChecked
 from ray.job_submission import JobStatus as RayStatus
 from ray.job_submission import JobSubmissionClient
-from ray_harness import local_head, ray_backend
+from ray_harness import ray_backend
+from rayhead import PREEMPT_CHIPS, preempt_resource
 
 from iris import devstack
 from iris.config import FederationConfig
@@ -41,9 +41,8 @@ from iris.controller.state import StateStore
 from iris.policy.models import Band
 
 BACKEND = "ray-h100"
-CHIPS = 8
-# One Ray resource per test (``resource``), CHIPS of each on the head.
-TESTS = ("youngest", "fewest", "bands", "grace", "restart")
+# One Ray resource per test (tests/rayhead.py, ``preempt_resource``), CHIPS of each on the head.
+CHIPS = PREEMPT_CHIPS
 GRACE_S = 1.0
 SLEEP = ["sleep", "120"]
 # A job that takes most of the grace to stop: it is still RUNNING (and holding its chips) for a few
@@ -56,17 +55,6 @@ SLOW_TO_STOP = py(
     "signal.signal(signal.SIGTERM, stop)\n"
     "time.sleep(120)\n"
 )
-
-
-def resource(test: str) -> str:
-    return f"t-preempt-{test}/h100"
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayHeadSpec]:
-    resources = {resource(t): float(CHIPS) for t in TESTS}
-    with local_head(resources, 8, tmp_path_factory.mktemp("ray-preempt")) as spec:
-        yield spec
 
 
 class Checked(FeedChecked):
@@ -121,12 +109,18 @@ class Checked(FeedChecked):
         await asyncio.sleep(seconds)
 
 
-def _stop_all(spec: devstack.RayHeadSpec) -> None:
-    """Stop every unfinished Ray job on the head (the executor's shutdown leaves them running)."""
+def _stop_all(spec: devstack.RayHeadSpec, test: str) -> None:
+    """Stop every unfinished Ray job of ``test`` on the head (the executor's shutdown leaves them
+    running); other users' jobs on the shared head are left alone."""
     client = JobSubmissionClient(spec.address)
+    mine = preempt_resource(test)
     deadline = time.monotonic() + 60
     while True:
-        live = [j for j in client.list_jobs() if not j.status.is_terminal()]
+        live = [
+            j
+            for j in client.list_jobs()
+            if not j.status.is_terminal() and mine in (j.entrypoint_resources or {})
+        ]
         if not live:
             return
         assert time.monotonic() < deadline, f"Ray jobs still live: {[j.submission_id for j in live]}"
@@ -134,7 +128,7 @@ def _stop_all(spec: devstack.RayHeadSpec) -> None:
             if job.submission_id is not None:
                 with contextlib.suppress(RuntimeError):
                     client.stop_job(job.submission_id)
-        time.sleep(0.5)
+        time.sleep(0.5)  # not a wait: the round of a stop loop that checks the jobs' state each time
 
 
 @contextlib.asynccontextmanager
@@ -146,7 +140,7 @@ async def checked_executor(
     backend: dict[str, Any] = {
         **ray_backend(spec, "e2e", id=BACKEND),
         "devices": {"h100": CHIPS},
-        "ray_resources": {"h100": resource(test)},
+        "ray_resources": {"h100": preempt_resource(test)},
     }
     peer = {**cluster("peer", backends=[backend]), "preempt_grace_s": grace_s}
     config = FederationConfig.model_validate(federation(cluster("home"), peer))
@@ -168,7 +162,7 @@ async def checked_executor(
         await executor.shutdown()
         store.close()
         if not leave:
-            await asyncio.to_thread(_stop_all, spec)
+            await asyncio.to_thread(_stop_all, spec, test)
 
 
 def ray_status(spec: devstack.RayHeadSpec, job_id: str) -> RayStatus:

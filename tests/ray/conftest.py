@@ -1,14 +1,13 @@
-"""A real local Ray head, started once per test session (see ray_harness.py for the helpers).
-
-The head offers one custom resource per test scenario (``t-<scenario>/h100``), so tests sharing it
-never see each other's jobs in their capacity, like clusters sharing one head in ``iris dev --ray``.
-Only the head started here is stopped here: never ``ray stop``, which would end everyone's Ray.
+"""The Ray backend tests run on the test process's one Ray head (``ray_head``, tests/conftest.py and
+tests/rayhead.py), each scenario on a custom resource of its own (``t-<scenario>/h100``), so tests
+sharing it never see each other's jobs in their capacity, like clusters sharing one head in
+``iris dev --ray``.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,9 @@ import pytest
 # The controller tests' harness (real controller processes, configs, polling) is shared.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
 
-from ray_harness import SCENARIOS, TcpProxy, local_head, resource
+from ray_harness import TcpProxy
 
 from iris import devstack
-
-
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayHeadSpec]:
-    resources = {resource(s): float(n) for s, n in SCENARIOS.items()}
-    with local_head(resources, 4, tmp_path_factory.mktemp("ray")) as spec:
-        yield spec
 
 
 @pytest.fixture

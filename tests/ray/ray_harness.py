@@ -1,41 +1,15 @@
-"""Helpers for the Ray tests: backend entries on the session head and a TCP proxy to cut Ray off."""
+"""Helpers for the Ray tests: backend entries on the session head (tests/rayhead.py) and a TCP proxy
+to cut Ray off."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from rayhead import SCENARIOS, resource
+
 from iris import devstack
-
-# One custom resource per scenario, with its size: tests sharing the head never see each other's
-# jobs in their capacity.
-SCENARIOS = {"jobs": 16, "cap": 8, "down": 8, "restart": 8, "e2e": 8}
-
-
-def resource(scenario: str) -> str:
-    return f"t-{scenario}/h100"
-
-
-@contextlib.contextmanager
-def local_head(resources: dict[str, float], num_cpus: int, root: Path) -> Iterator[devstack.RayHeadSpec]:
-    """A real Ray head of the caller's own, on free ports, with these custom resources; stopped
-    (only this head, never ``ray stop``) when the block ends."""
-    spec = devstack.RayHeadSpec(
-        dashboard_port=devstack.free_port(),
-        gcs_port=devstack.free_port(),
-        resources=resources,
-        num_cpus=num_cpus,
-    )
-    head = devstack.ray_head(spec, root)
-    head.start()
-    try:
-        head.wait_ready(120)
-        yield spec
-    finally:
-        devstack.stop_ray_head(head)
 
 
 def ray_backend(

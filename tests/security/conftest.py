@@ -1,13 +1,12 @@
-"""Fixtures of the security suite: the stack's real keys, a restricted controller, collected responses.
-
-Tests marked ``scan_last`` run after every other test of the session, so the secret scan sees every
-history, log and response the session produced.
+"""Fixtures of the security suite: the stack's real keys, a restricted controller, collected responses
+(``Responses``: the stack's ``responses``, which the secret scan searches at the stack's teardown,
+tests/secret_scan.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 from security_support import RESTRICTED_DOMAIN, Keys, Responses, Restricted
@@ -16,24 +15,14 @@ from stack import Stack
 from iris import devstack
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "scan_last: run after every other test of the session")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    last = [item for item in items if item.get_closest_marker("scan_last") is not None]
-    if last:
-        items[:] = [item for item in items if item.get_closest_marker("scan_last") is None] + last
-
-
 @pytest.fixture(scope="session")
 def keys(stack: Stack) -> Keys:
     return Keys(stack.key_dirs)
 
 
 @pytest.fixture(scope="session")
-def responses() -> Iterator[Responses]:
-    yield Responses()
+def responses(stack: Stack) -> Responses:
+    return Responses(stack.responses)
 
 
 @pytest.fixture(scope="module")

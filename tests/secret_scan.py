@@ -1,0 +1,156 @@
+"""The secret scan (docs/DESIGN.md, "Where secrets live"; docs/SECURITY.md): every private key in use
+(PEM body and raw key bytes in hex, base64 and base64url) and every object-store credential of a
+stack, searched for in every workflow history of that stack's Temporal (payloads decoded), in every
+file under the given roots (stack logs, controller state, relayed job logs, other tests' temporary
+directories; key files excepted) and in the responses tests collected (``Stack.responses``).
+
+Each stack runs it at its teardown (tests/conftest.py), after every test that used it, so it sees
+everything the session produced, in whichever test process it ran; tests/security/
+test_security_secret_scan.py adds what a job sees and what the CLI answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from stack import Stack
+from temporalio.service import RPCError, RPCStatusCode
+
+from iris import devstack
+from iris.config import FederationConfig
+
+KEY_SUFFIXES = (".key", ".pub", ".keygen.lock")
+
+
+def key_needles(key_file: Path) -> dict[str, bytes]:
+    pem = key_file.read_bytes()
+    body = b"".join(line for line in pem.splitlines() if line and not line.startswith(b"-----"))
+    needles = {f"{key_file.name} PEM body": body}
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError):
+        return needles
+    if isinstance(key, Ed25519PrivateKey):
+        raw = key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+        needles[f"{key_file.name} raw hex"] = raw.hex().encode()
+        needles[f"{key_file.name} raw base64"] = base64.b64encode(raw).rstrip(b"=")
+        needles[f"{key_file.name} raw base64url"] = base64.urlsafe_b64encode(raw).rstrip(b"=")
+    return needles
+
+
+def secrets_in_use(config: FederationConfig, roots: list[Path]) -> dict[str, bytes]:
+    needles: dict[str, bytes] = {}
+    for root in roots:
+        for key_file in sorted(root.rglob("*.key")):
+            needles.update({f"{key_file.parent.name}/{k}": v for k, v in key_needles(key_file).items()})
+    # Every cluster's demo store credentials, by value: each is held only by its cluster's
+    # controller (tests/security/test_security_credentials.py), and must surface nowhere.
+    for cluster, creds in devstack.all_store_credentials(config).items():
+        for name, value in creds.items():
+            needles[f"{cluster} ${name}"] = value.encode()
+    return needles
+
+
+def decoded(value: Any) -> Iterator[bytes]:
+    """Every string in a history's JSON, plus the decoded bytes of every payload."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "data" and isinstance(v, str):
+                try:
+                    payload: bytes | None = base64.b64decode(v, validate=True)
+                except (binascii.Error, ValueError):
+                    payload = None
+                if payload is not None:
+                    yield payload
+            yield from decoded(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from decoded(v)
+    elif isinstance(value, str):
+        yield value.encode("utf-8", "surrogateescape")
+
+
+@dataclass
+class Scan:
+    needles: dict[str, bytes]
+    hits: list[str] = field(default_factory=list)
+    items: dict[str, int] = field(default_factory=dict)
+    volume: dict[str, int] = field(default_factory=dict)
+
+    def search(self, kind: str, where: str, data: bytes) -> None:
+        self.items[kind] = self.items.get(kind, 0) + 1
+        self.volume[kind] = self.volume.get(kind, 0) + len(data)
+        for label, needle in self.needles.items():
+            if needle in data:
+                self.hits.append(f"{label} in {kind} {where}")
+
+
+async def scan_histories(stack: Stack, scan: Scan) -> None:
+    gate = asyncio.Semaphore(16)
+
+    async def one(workflow_id: str, run_id: str | None) -> None:
+        async with gate:
+            try:
+                history = await stack.client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:  # deleted by its test since it was listed
+                    return
+                raise
+        blob = b"\n".join([json.dumps(history.to_json_dict()).encode(), *decoded(history.to_json_dict())])
+        scan.search("history", f"{workflow_id} ({run_id})", blob)
+
+    runs = [(wf.id, wf.run_id) async for wf in stack.client.list_workflows("")]
+    await asyncio.gather(*(one(w, r) for w, r in runs))
+
+
+def scan_files(roots: list[Path], scan: Scan) -> None:
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            if path.name.endswith(KEY_SUFFIXES) or path.suffix == ".tmp":
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue  # a file removed while scanning (a finished job's scratch space)
+            scan.search("file", str(path.relative_to(root)), data)
+
+
+async def scan_stack(stack: Stack, roots: list[Path]) -> Scan:
+    """Search ``stack``'s histories and the responses its tests collected for every secret in use
+    under ``roots`` and every store credential of the stack."""
+    scan = Scan(secrets_in_use(stack.config, roots))
+    assert any("PEM body" in k for k in scan.needles) and any("$" in k for k in scan.needles)
+    for i, body in enumerate(stack.responses):
+        scan.search("response", f"test response #{i}", body.encode())
+    await scan_histories(stack, scan)
+    return scan
+
+
+def scan_session_files(config: FederationConfig, roots: list[Path]) -> Scan:
+    """Search every file under ``roots`` for every secret in use there and every store credential
+    of ``config``'s clusters."""
+    scan = Scan(secrets_in_use(config, roots))
+    scan_files(roots, scan)
+    return scan
+
+
+def report(scan: Scan) -> str:
+    keys = sum("PEM body" in k for k in scan.needles)
+    lines = [f"secret scan: {len(scan.needles)} secrets ({keys} private keys)"]
+    for kind in ("history", "file", "response"):
+        lines.append(
+            f"  {kind:<9} {scan.items.get(kind, 0):>6} scanned  {scan.volume.get(kind, 0) / 1e6:8.1f} MB"
+        )
+    lines.append(f"  hits      {len(scan.hits):>6}")
+    return "\n".join(lines)
