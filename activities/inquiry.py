@@ -12,38 +12,22 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 
 from iris import contract
 from iris.config import FederationConfig
-from iris.policy.models import JobShape, PeerReport
-from iris.policy.queue import DryRun, QueuePosition, dry_run, queue_positions
+
+# The messages are the SDK's too: they live in iris/inquiry.py, which needs no activity code.
+from iris.inquiry import MAX_POSITION_IDS as MAX_POSITION_IDS
+from iris.inquiry import DryRunRequest as DryRunRequest
+from iris.inquiry import PositionsAnswer as PositionsAnswer
+from iris.inquiry import PositionsRequest as PositionsRequest
+from iris.policy.models import PeerReport
+from iris.policy.queue import DryRun, dry_run, queue_positions
 from iris.reports import configured_backends
 
 if TYPE_CHECKING:
     from iris.store import FederationStore
-
-# At most this many job ids per question: one page of `iris job list` (its --limit's maximum).
-MAX_POSITION_IDS = 1000
-
-
-class PositionsRequest(BaseModel):
-    # At most MAX_POSITION_IDS: the manager's validator refuses more (a payload that failed to
-    # decode would fail the manager's workflow task instead).
-    job_ids: list[str] = Field(default_factory=list)
-
-
-class PositionsAnswer(BaseModel):
-    """The asked jobs that are queued, with their positions (a job not queued is left out)."""
-
-    positions: dict[str, QueuePosition] = Field(default_factory=dict)
-    queued: int = 0
-    at_ms: int = 0
-
-
-class DryRunRequest(BaseModel):
-    job: JobShape
 
 
 class InquiryActivities:

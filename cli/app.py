@@ -1,4 +1,8 @@
-"""`iris`: the command line of the federated scheduler."""
+"""`iris`: the command line of the federated scheduler.
+
+Starting it imports typer and the command modules only; each command imports what it needs when it
+runs (cli/common.py), so `iris --help` answers at once (tests/test_cli_imports.py).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,9 @@ from cli import common
 from cli.dev import dev_command
 from cli.job import job_app
 from cli.keys import keys_app
-from cli.ops import ops_app
+from cli.ops_group import ops_app
 from cli.peers import peers_command, rpc_app
-from iris import tracing
-from iris.config import DEFAULT_DATA_DIR
+from iris.defaults import DEFAULT_DATA_DIR
 
 app = typer.Typer(
     name="iris",
@@ -111,7 +114,11 @@ def main() -> None:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     # Spans still pending (tracing on) are sent first: os._exit skips the exporter's atexit hook.
-    tracing.shutdown()
+    # Tracing is configured only by a command that connected, which imported it.
+    if "iris.tracing" in sys.modules:
+        from iris import tracing
+
+        tracing.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: the Temporal SDK's runtime can crash at exit (sdk-python #300).

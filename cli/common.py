@@ -1,16 +1,20 @@
-"""Shared CLI plumbing: config lookup, running coroutines, one-line errors with stable exit codes."""
+"""Shared CLI plumbing: config lookup, running coroutines, one-line errors with stable exit codes.
+
+Everything past typer is imported when a command runs, not when the CLI starts: `iris --help`
+loads no pydantic model, Temporal SDK or store (tests/test_cli_imports.py pins it).
+"""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 
-from iris.client import AsyncIrisClient, IrisError
-from iris.config import ConfigError, FederationConfig, load_config
+if TYPE_CHECKING:
+    from iris.client import AsyncIrisClient
+    from iris.config import FederationConfig
 
 T = TypeVar("T")
 
@@ -38,6 +42,8 @@ def fail(message: str, code: int) -> NoReturn:
 
 
 def config() -> FederationConfig:
+    from iris.config import ConfigError, load_config
+
     try:
         cfg = load_config(STATE.config_file)
         if STATE.cluster is not None:
@@ -49,6 +55,10 @@ def config() -> FederationConfig:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run one coroutine; SDK errors become one line on stderr and their exit code."""
+    import asyncio
+
+    from iris.client import IrisError
+
     try:
         return asyncio.run(coro)
     except IrisError as exc:
@@ -58,4 +68,6 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def client() -> AsyncIrisClient:
+    from iris.client import AsyncIrisClient
+
     return await AsyncIrisClient.connect(config())

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli import common
-from iris import devstack
-from iris.client import current_user
-from iris.config import (
-    CONFIG_ENV,
+from iris.defaults import (
     DEFAULT_DATA_DIR,
+    DEFAULT_TEMPORAL_METRICS_PORT,
+    DEFAULT_WORKER_METRICS,
     PROJECT_ROOT,
-    ConfigError,
-    FederationConfig,
-    config_path,
-    store_url,
 )
-from iris.controller.identity import KEY_DIR_ENV
-from iris.keydirs import provision_key_dirs
-from iris.userauth import register_user
+
+if TYPE_CHECKING:
+    from iris import devstack
+    from iris.config import FederationConfig
 
 # The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
 RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
@@ -46,7 +41,10 @@ def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
 
 
 async def _serve(cfg: FederationConfig, data_dir: Path, metrics: list[devstack.MetricsTarget]) -> None:
-    from iris import tracing
+    import asyncio
+
+    from iris import devstack, tracing
+    from iris.config import store_url
     from iris.store import FederationStore
     from iris.temporal import connect
     from worker.main import build_worker, ensure_manager
@@ -129,7 +127,7 @@ def dev_command(
             help="Where the worker serves its Prometheus metrics (the SDK's temporal_* and Iris's "
             "iris_*) at /metrics. Every controller serves its own at /metrics on its port.",
         ),
-    ] = devstack.DEFAULT_WORKER_METRICS,
+    ] = DEFAULT_WORKER_METRICS,
     temporal_metrics_port: Annotated[
         int,
         typer.Option(
@@ -138,12 +136,21 @@ def dev_command(
             max=65535,
             help="The port of the Temporal dev server's own Prometheus metrics (on its address).",
         ),
-    ] = devstack.DEFAULT_TEMPORAL_METRICS_PORT,
+    ] = DEFAULT_TEMPORAL_METRICS_PORT,
 ) -> None:
     """Start the embedded stack: Temporal + UI, S3 and GCS emulators, every controller, the worker.
 
     Prints every address, the metrics endpoints among them, and writes DATA_DIR/prometheus.yml, a
     Prometheus config scraping the worker, every controller and Temporal."""
+    import asyncio
+
+    from iris import devstack
+    from iris.client import current_user
+    from iris.config import CONFIG_ENV, ConfigError, config_path
+    from iris.controller.identity import KEY_DIR_ENV
+    from iris.keydirs import provision_key_dirs
+    from iris.userauth import register_user
+
     if ray and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
         common.STATE.config_file = RAY_CONFIG
     cfg = common.config()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -10,25 +9,18 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-import yaml
 from typer._click.core import ParameterSource
 
 from cli import common
-from iris.client import (
-    IrisError,
-    JobSummary,
-    attempt_ended,
-    attempt_number,
-    latest_attempt,
-    prepare_submission,
-)
-from iris.jobfile import JobFileError, load_job_file, parse_duration
-from iris.jobs import MAX_RETRIES, MAX_TIMEOUT_S, AttemptView, JobSpec, JobState, JobStatus
-from iris.policy.models import Disposition
-from iris.policy.queue import DryRun, QueuePosition
+from iris.defaults import MAX_RETRIES, MAX_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from iris.client import JobSummary
+    from iris.jobs import AttemptView, JobSpec, JobStatus
+    from iris.policy.queue import DryRun, QueuePosition
 
 job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
 
@@ -72,6 +64,8 @@ def _parse_duration(text: str | None, flag: str) -> float | None:
     """``90s``, ``10m``, ``2h``, ``1d`` or plain seconds; the range is build_spec's to check."""
     if text is None:
         return None
+    from iris.jobfile import parse_duration
+
     try:
         return parse_duration(text)
     except ValueError:
@@ -224,6 +218,8 @@ def run_command(
 
     -f job.yaml: the job from a file (docs/job.schema.json); flags given as well override it.
     """
+    from iris.client import IrisError, prepare_submission
+
     flags: dict[str, Any] = {
         "name": job_name,
         "device_type": device_type,
@@ -247,6 +243,8 @@ def run_command(
         kw: dict[str, Any] = {**flags, "env": flag_env}
         cmd: list[str] = command or []
     else:
+        from iris.jobfile import JobFileError, load_job_file
+
         try:
             from_file = load_job_file(job_file).submission()
         except JobFileError as exc:
@@ -271,6 +269,10 @@ def run_command(
         raise typer.Exit(common.run(_dry_run(spec, bundle.ref.describe() if bundle is not None else None)))
 
     async def go() -> int:
+        import asyncio
+
+        from iris.jobs import JobState
+
         client = await common.client()
         job_id = await client.submit_spec(spec, bundle)
         typer.echo(job_id)
@@ -318,6 +320,8 @@ def _verdict_rows(report: DryRun) -> list[str]:
 
 def dry_run_lines(report: DryRun, bundle: str | None) -> list[str]:
     """What `iris job run --dry-run` prints."""
+    from iris.policy.models import Disposition
+
     p = report.placement
     if report.rejected:
         outcome = f"be rejected: {report.classification}"
@@ -401,6 +405,8 @@ def list_command(
 
     2/5 means one job goes first and three after. -o json and -o yaml hold every field.
     """
+    from iris.jobs import JobState
+
     if state is not None and state.upper() not in JobState.__members__:
         common.fail(
             f"unknown state {state!r} (one of: {', '.join(JobState.__members__)})", common.EXIT_INVALID
@@ -417,6 +423,8 @@ def list_command(
         common.fail(f"invalid --since {since!r}: a duration above 0s, e.g. 10m", common.EXIT_INVALID)
 
     async def go() -> None:
+        from iris.client import IrisError
+
         client = await common.client()
         rows = await client.list(state=state, peer=peer, user=user, limit=limit or 1000, since_s=since_s)
         try:
@@ -425,7 +433,12 @@ def list_command(
             typer.echo(f"warning: no queue positions: {exc}", err=True)
         if fmt in ("json", "yaml"):
             data = [r.model_dump(mode="json") for r in rows]
-            text = json.dumps(data, indent=2) if fmt == "json" else yaml.safe_dump(data, sort_keys=False)
+            if fmt == "json":
+                text = json.dumps(data, indent=2)
+            else:
+                import yaml
+
+                text = yaml.safe_dump(data, sort_keys=False)
             typer.echo(text.rstrip("\n"))
             return
         for line in _summary_tables(rows, wide=fmt == "wide"):
@@ -447,6 +460,9 @@ def describe_command(
     """
 
     async def go() -> None:
+        from iris.client import IrisError, latest_attempt
+        from iris.jobs import JobState
+
         client = await common.client()
         st = await client.describe(job_id)
         position: QueuePosition | None = None
@@ -552,6 +568,8 @@ def logs_command(
     it ran; --attempt N for an earlier one. A running attempt's copy is refreshed first (~2 s)."""
 
     async def go() -> None:
+        from iris.client import attempt_ended, attempt_number
+
         client = await common.client()
         if follow:
             async for data in client.follow_logs(job_id, attempt=attempt):

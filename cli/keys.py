@@ -8,9 +8,6 @@ from typing import Annotated
 import typer
 
 from cli import common
-from iris.controller.identity import default_key_dir, ensure_cluster_keys, generate_keypair
-from iris.keydirs import provision_key_dirs
-from iris.userauth import AuthError, ensure_user_key, user_key_path
 
 keys_app = typer.Typer(help="Create the Ed25519 key pairs clusters sign handoffs with.", no_args_is_help=True)
 
@@ -25,6 +22,8 @@ def generate_command(
     cluster: Annotated[str, typer.Argument(help="The cluster's name.")], dir: KeyDir = None
 ) -> None:
     """Write DIR/CLUSTER.key (private, mode 0600) and DIR/CLUSTER.pub; never overwrites a key."""
+    from iris.controller.identity import default_key_dir, generate_keypair
+
     key_dir = dir or default_key_dir()
     key_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -50,6 +49,9 @@ def ensure_command(
     ] = False,
 ) -> None:
     """Create every missing key pair the federation config names."""
+    from iris.controller.identity import default_key_dir, ensure_cluster_keys
+    from iris.keydirs import provision_key_dirs
+
     key_dir = dir or default_key_dir()
     if per_cluster:
         dirs = provision_key_dirs(common.config(), key_dir)
@@ -77,7 +79,8 @@ def user_command(
 ) -> None:
     """Create USER's Ed25519 key (mode 0600, never overwritten) and print the public key to
     register in the federation config's [users] table; the CLI and SDK sign with it."""
-    from iris.client import current_user  # the SDK (Temporal) loads only for this command
+    from iris.client import current_user
+    from iris.userauth import AuthError, ensure_user_key, user_key_path
 
     principal = user or current_user()
     path = key or user_key_path(principal)

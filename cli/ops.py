@@ -1,7 +1,9 @@
-"""`iris ops ...`: operator tools (docs/DESIGN.md, "Operations").
+"""`iris ops check-determinism`: replay live histories against this code (docs/DESIGN.md,
+"Operations").
 
-Each command is one function registered on ``ops_app``; the logic it needs lives next to it (or in
-the SDK) so tests can call it without a subprocess.
+The command is registered on ``determinism_app``, which the `iris ops` group (cli/ops_group.py)
+loads only when `iris ops` lists or runs its commands; the logic it needs lives next to it so tests
+can call it without a subprocess.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from temporalio.worker import Replayer
 from temporalio.workflow import NondeterminismError
 
 from cli import common
-from cli.replay import replay_handoff_command
 from iris import contract
 from iris.client import InvalidJob, Unavailable
 from iris.contract import JOB_WORKFLOW
 from iris.temporal import connect
 
-ops_app = typer.Typer(help="Operator tools: replay failed handoffs, check determinism.", no_args_is_help=True)
-ops_app.command("replay-handoff")(replay_handoff_command)
+determinism_app = typer.Typer(add_completion=False)
 
 
 # ---- check-determinism -----------------------------------------------------------------------
@@ -154,7 +154,7 @@ def print_report(report: DeterminismReport) -> None:
         typer.echo(failure.line())
 
 
-@ops_app.command("check-determinism")
+@determinism_app.command("check-determinism")
 def check_determinism_command(
     query: Annotated[
         str,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from cli import common
-from iris.policy.models import PeerReport
-from iris.reports import FederationView
+
+if TYPE_CHECKING:
+    from iris.policy.models import PeerReport
+    from iris.reports import FederationView
 
 rpc_app = typer.Typer(help="Raw RPC views, as JSON.", no_args_is_help=True)
 controller_app = typer.Typer(help="The federation manager's controller view.", no_args_is_help=True)

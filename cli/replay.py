@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli import common
-from iris.jobs import JobState, JobStatus
+
+if TYPE_CHECKING:
+    from iris.jobs import JobStatus
 
 
 def force_warning(status: JobStatus, *, peer: str | None, requeue: bool) -> str | None:
     """The one line ``--force`` prints for a parked job: a replay elsewhere while the cluster of the
     last launch may still run that attempt, which is then fenced (terminated there as soon as it
     answers). None if the job is not parked: the replay is refused anyway."""
+    from iris.jobs import JobState
+
     if status.state is not JobState.HANDOFF_FAILED:
         return None
     if not status.attempts:

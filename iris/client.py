@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel
 from temporalio.api.common.v1 import WorkflowExecution
@@ -43,7 +43,6 @@ from temporalio.exceptions import FailureError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.workflow import UpdateMethodMultiParam
 
-from activities.inquiry import MAX_POSITION_IDS, DryRunRequest, PositionsAnswer, PositionsRequest
 from iris import contract
 from iris.bundle import Bundle, BundleError, BundleRef, contains, home_key, pack, store_at_home
 from iris.config import ConfigError, FederationConfig, load_config
@@ -58,8 +57,8 @@ from iris.contract import (
     job_workflow_id,
     manager_workflow_id,
 )
-from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
 from iris.controller.models import MAX_COMMAND_ARGS, MAX_USER_CHARS, LogChunk, validate_job_id
+from iris.inquiry import MAX_POSITION_IDS, DryRunRequest, PositionsAnswer, PositionsRequest
 from iris.jobs import (
     MAX_RETRIES,
     MAX_TIMEOUT_S,
@@ -77,12 +76,15 @@ from iris.objectstore import StoreError, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.policy.queue import DryRun, QueuePosition
-from iris.reports import FederationView, config_view
 from iris.temporal import connect
 from iris.userauth import Action, AuthError, Signer, audience
-from workflows.job import JobWorkflow
-from workflows.peers import ListPeersWorkflow
-from workflows.placement import PlacementManager
+
+# The workflows (and the activities they import) load only for the calls that message a job's
+# workflow or list the peers: listing jobs and reading queue positions need the Temporal client
+# alone, so `iris job list` starts without them (tests/test_cli_imports.py).
+if TYPE_CHECKING:
+    from iris.reports import FederationView
+    from workflows.job import JobWorkflow
 
 T = TypeVar("T")
 _A = TypeVar("_A")
@@ -265,6 +267,8 @@ def build_spec(
             constraints.append(Constraint(key=key, op=Op.EQ, values=(value.strip().lower(),)))
     if preemptible is not None:
         constraints.append(Constraint(key="preemptible", op=Op.EQ, values=(str(preemptible).lower(),)))
+    from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
+
     if isinstance(artifacts, str) or len(artifacts) > MAX_ARTIFACTS:
         raise InvalidJob(f"artifacts must be a list of at most {MAX_ARTIFACTS} URIs")
     for uri in artifacts:
@@ -390,18 +394,26 @@ def workflow_not_ready(exc: RPCError) -> bool:
 
 async def execute_update(
     handle: WorkflowHandle[Any, Any],
-    update: UpdateMethodMultiParam[[Any, _A], Any],
+    update: UpdateMethodMultiParam[[Any, _A], Any] | str,
     arg: _A,
     result_type: type[T],
 ) -> T:
     """``handle.execute_update``, sent again while the server answers that the workflow task that
-    carried it failed: such an Update was never accepted, and its handler runs only once accepted."""
-    update_id = f"{getattr(update, '__name__', 'update')}/{uuid.uuid4()}"
+    carried it failed: such an Update was never accepted, and its handler runs only once accepted.
+
+    ``update`` is the workflow's method, or its name (iris/contract.py), whose answer is then
+    decoded as ``result_type``."""
+    name = update if isinstance(update, str) else getattr(update, "__name__", "update")
+    update_id = f"{name}/{uuid.uuid4()}"
     delay = UPDATE_RETRY_FIRST_S
     attempt = 1
     while True:
         try:
-            return cast(T, await handle.execute_update(update, arg, id=update_id))
+            if isinstance(update, str):
+                answer = await handle.execute_update(update, arg, id=update_id, result_type=result_type)
+            else:
+                answer = await handle.execute_update(update, arg, id=update_id)
+            return cast(T, answer)
         except RPCError as exc:
             if attempt == UPDATE_ATTEMPTS or not workflow_not_ready(exc):
                 raise
@@ -468,6 +480,8 @@ class AsyncIrisClient:
         return cls(temporal, cfg)
 
     def _handle(self, job_id: str) -> WorkflowHandle[JobWorkflow, JobStatus]:
+        from workflows.job import JobWorkflow
+
         return self.temporal.get_workflow_handle_for(JobWorkflow.run, job_workflow_id(job_id))
 
     async def precheck(self, spec: JobSpec) -> str:
@@ -475,6 +489,8 @@ class AsyncIrisClient:
 
         Needs no controller credentials: capacity and reachability are the workflow's business.
         """
+        from iris.reports import config_view
+
         now_ms = int(time.time() * 1000)
         view = config_view(self.config, now_ms=now_ms)
         decision = classify(
@@ -511,6 +527,8 @@ class AsyncIrisClient:
 
     async def submit_spec(self, spec: JobSpec, bundle: Bundle | None = None) -> str:
         """Start the job's workflow; its bundle (``spec.bundle``) is stored at home first."""
+        from workflows.job import JobWorkflow
+
         await self.precheck(spec)
         if not spec.signature:
             signature = self.sign(Action.SUBMIT, spec.user, spec.job_id, spec)
@@ -566,6 +584,8 @@ class AsyncIrisClient:
         A job whose workflow has closed is read from its result, which Temporal keeps: a query of a
         closed workflow would make a worker replay its whole history (docs/DESIGN.md, "Reading a
         job's status"). A running one answers the status query from its worker's cache."""
+        from workflows.job import JobWorkflow
+
         job_id = self.resolve(job_id)
         handle = self._handle(job_id)
         try:
@@ -591,6 +611,8 @@ class AsyncIrisClient:
 
     async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
         """Fire-and-forget cancel (a signal)."""
+        from workflows.job import JobWorkflow
+
         job_id = self.resolve(job_id)
         request = self._signed_cancel(job_id, reason)
         try:
@@ -602,6 +624,8 @@ class AsyncIrisClient:
 
     async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
+        from workflows.job import JobWorkflow
+
         job_id = self.resolve(job_id)
         request = self._signed_cancel(job_id, reason)
         try:
@@ -620,6 +644,8 @@ class AsyncIrisClient:
 
     async def peers(self) -> FederationView:
         """Every cluster's live report (reachability, backends, capacity), polled by a worker."""
+        from workflows.peers import ListPeersWorkflow
+
         try:
             view: FederationView = await self.temporal.execute_workflow(
                 ListPeersWorkflow.run,
@@ -655,6 +681,8 @@ class AsyncIrisClient:
         may still run the job (its answer never came) unless ``force``: that attempt is then fenced,
         i.e. terminated there as soon as the cluster answers; until then the job may run twice.
         """
+        from workflows.job import JobWorkflow
+
         if peer is not None and requeue:
             raise InvalidJob("choose --peer or --requeue, not both")
         job_id = self.resolve(job_id)
@@ -770,17 +798,16 @@ class AsyncIrisClient:
             raise Unavailable(f"cannot list jobs: {exc.message}") from None
         return rows
 
-    def _manager(self) -> WorkflowHandle[PlacementManager, None]:
-        return self.temporal.get_workflow_handle_for(
-            PlacementManager.run, manager_workflow_id(self.config.temporal.task_queue)
-        )
+    def _manager(self) -> WorkflowHandle[Any, Any]:
+        return self.temporal.get_workflow_handle(manager_workflow_id(self.config.temporal.task_queue))
 
-    async def _inquire(
-        self, update: UpdateMethodMultiParam[[Any, _A], Any], arg: _A, result_type: type[T]
-    ) -> T:
+    async def _inquire(self, update: str, arg: _A, result_type: type[T]) -> T:
         """Ask the placement manager (docs/DESIGN.md, "Queue position and dry-run"); Unavailable
         with the reason if it cannot answer. Sent to its latest run: one that closed as the question
-        arrived (it continued as new) is followed by the next."""
+        arrived (it continued as new) is followed by the next.
+
+        By the Update's name (iris/contract.py), not the PlacementManager's method: `iris job list`
+        asks for positions without loading the workflows."""
         what = "read the queue" if result_type is PositionsAnswer else "dry-run the job"
         for attempt in range(1, INQUIRY_ATTEMPTS + 1):
             try:
@@ -805,7 +832,7 @@ class AsyncIrisClient:
         found: dict[str, QueuePosition] = {}
         for start in range(0, len(ids), MAX_POSITION_IDS):
             request = PositionsRequest(job_ids=ids[start : start + MAX_POSITION_IDS])
-            answer = await self._inquire(PlacementManager.queue_positions, request, PositionsAnswer)
+            answer = await self._inquire(contract.QUEUE_POSITIONS, request, PositionsAnswer)
             found.update(answer.positions)
         return found
 
@@ -827,7 +854,7 @@ class AsyncIrisClient:
         and queue (``iris job run --dry-run``): its classification, the queue position it would
         take and each peer's verdict. Nothing is started and nothing stored."""
         request = DryRunRequest(job=spec.shape())
-        return await self._inquire(PlacementManager.dry_run, request, DryRun)
+        return await self._inquire(contract.DRY_RUN, request, DryRun)
 
     async def wait(
         self,
@@ -907,6 +934,8 @@ class AsyncIrisClient:
     async def _want_logs(self, job_id: str, seconds: float = 2 * _WANT_LOGS_EVERY_S) -> None:
         """Ask the job's workflow to relay its running attempt's log every second for ``seconds``
         (docs/DESIGN.md, "Logs"); a job that has ended, or cannot be reached now, is read as is."""
+        from workflows.job import JobWorkflow
+
         until_ms = int((time.time() + seconds) * 1000)
         with contextlib.suppress(RPCError):
             await self._handle(job_id).signal(JobWorkflow.want_logs, until_ms)

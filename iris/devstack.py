@@ -28,6 +28,8 @@ import httpx
 from iris.config import FederationConfig
 from iris.contract import SEARCH_ATTRIBUTES
 from iris.controller.identity import KEY_DIR_ENV
+from iris.defaults import DEFAULT_TEMPORAL_METRICS_PORT as DEFAULT_TEMPORAL_METRICS_PORT
+from iris.defaults import DEFAULT_WORKER_METRICS as DEFAULT_WORKER_METRICS
 from iris.objectstore import open_store
 
 
@@ -340,9 +342,6 @@ def ensure_buckets(config: FederationConfig) -> None:
 
 # ---- metrics (docs/DESIGN.md, "Metrics") -------------------------------------------------------
 
-# Where `iris dev` serves the worker's metrics and has Temporal serve its own, unless told otherwise.
-DEFAULT_WORKER_METRICS = "127.0.0.1:9464"
-DEFAULT_TEMPORAL_METRICS_PORT = 9465
 # The scrape jobs, the same in docker-compose's Prometheus (deploy/prometheus/prometheus.yml): the
 # dashboard (deploy/grafana/) selects by them.
 WORKER_JOB = "iris-worker"

@@ -16,6 +16,8 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from iris.bundle import BundleRef
 from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_REASON, SA_STATE, SA_SUBMITTER
 from iris.controller.models import TIMED_OUT, ControllerJobState
+from iris.defaults import MAX_RETRIES as MAX_RETRIES
+from iris.defaults import MAX_TIMEOUT_S as MAX_TIMEOUT_S
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
 from iris.policy.reasons import ReasonCode
 from iris.store.models import HandleState
@@ -133,10 +135,6 @@ def mirrored_state(remote: ControllerJobState) -> JobState:
 def handle_end(state: JobState) -> HandleState | None:
     """The queue handle's final state for a job that ended so; None if the handle is not ended."""
     return _HANDLE_END.get(state)
-
-
-MAX_RETRIES = 100
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def attempt_nonce(incarnation: str, attempt: int) -> str:
