@@ -242,6 +242,65 @@ def restart(ctl: Controller, ready_timeout: float = 30.0) -> Controller:
     return new
 
 
+def read_by_server(server_port: int, client_port: int) -> bool:
+    """Whether the process listening on 127.0.0.1:``server_port`` has accepted the connection from
+    ``client_port`` and read every byte sent on it: the server side's socket in ``/proc/net/tcp``
+    has an owner (inode 0 = not accepted yet) and an empty receive queue (Linux)."""
+    server, client = f"0100007F:{server_port:04X}", f"0100007F:{client_port:04X}"
+    with open("/proc/net/tcp") as table:
+        for row in table.read().splitlines()[1:]:
+            fields = row.split()
+            if fields[1] == server and fields[2] == client:
+                received = int(fields[4].split(":")[1], 16)
+                return fields[9] != "0" and received == 0
+    return False
+
+
+class HeldRequest:
+    """One HTTP/1.1 request on its own connection, answered later: a long poll, or a request a
+    lock holds. ``in_hands`` tells when the controller has read it (it is then the controller's,
+    and the request itself is waiting; no sleep needed to let it arrive), ``done`` whether the
+    answer has come (the controller closes the connection after it)."""
+
+    def __init__(self, ctl: Controller, path: str, headers: dict[str, str] | None = None) -> None:
+        self.ctl = ctl
+        self.path = path
+        self.headers = headers or {}
+        self.client_port = 0
+        self._answer: asyncio.Task[bytes] | None = None
+
+    async def send(self) -> HeldRequest:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.ctl.port)
+        self.client_port = writer.get_extra_info("sockname")[1]
+        head = {"Host": f"127.0.0.1:{self.ctl.port}", "Connection": "close", **self.headers}
+        lines = [f"GET {self.path} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
+        writer.write("\r\n".join(lines).encode())
+        await writer.drain()
+
+        async def answer() -> bytes:
+            try:
+                return await reader.read()
+            finally:
+                writer.close()
+
+        self._answer = asyncio.create_task(answer())
+        return self
+
+    async def in_hands(self) -> bool:
+        return read_by_server(self.ctl.port, self.client_port)
+
+    def done(self) -> bool:
+        return self._answer is not None and self._answer.done()
+
+    async def response(self) -> tuple[int, bytes]:
+        """The answer's status and body (read to the end of the connection)."""
+        assert self._answer is not None, "send() first"
+        raw = await self._answer
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 "), raw[:200]
+        return int(head.split()[1]), body
+
+
 async def poll(
     fn: Callable[[], Awaitable[T]],
     until: Callable[[T], bool],

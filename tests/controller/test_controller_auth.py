@@ -6,7 +6,6 @@ Each refusal has a test that passes only while its check is in place.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -23,12 +22,14 @@ import httpx
 import pytest
 from controller_harness import (
     Controller,
+    HeldRequest,
     cluster,
     federation,
     free_port,
     gpu_backend,
     key_auth,
     make_keys,
+    poll,
     py,
     request,
     restart,
@@ -314,15 +315,20 @@ async def test_the_jti_store_does_not_block_the_event_loop(world: AuthWorld, tmp
         db = sqlite3.connect(ctl.state_dir / "controller.db", isolation_level=None)
         db.execute("BEGIN IMMEDIATE")  # the write lock the jti insert needs
         try:
-            signed = asyncio.create_task(raw(ctl, "GET", "/v1/backends", world.token()))
-            await asyncio.sleep(0.5)
-            assert not signed.done()
-            async with httpx.AsyncClient(base_url=ctl.url, timeout=1.5) as http:
+            token = world.token().encode(httpx.Request("GET", f"{ctl.url}/v1/backends"))
+            headers = {"Authorization": f"Bearer {token}"}
+            signed = await HeldRequest(ctl, "/v1/backends", headers).send()
+            await poll(signed.in_hands, bool, what="the controller to read the signed request")
+            # Health is answered while the signed request still waits: had the wait held the event
+            # loop, nothing would answer until the store gave up on the lock and answered it first.
+            async with httpx.AsyncClient(base_url=ctl.url, timeout=30) as http:
                 assert (await http.get("/v1/health")).status_code == 200
+            assert not signed.done()
         finally:
             db.execute("ROLLBACK")
             db.close()
-        assert (await signed).status_code == 200
+        status, body = await signed.response()
+        assert status == 200, body
     finally:
         ctl.stop()
 

@@ -4,14 +4,15 @@ restart, and the paginated listing a resync reads; against a real controller pro
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from controller_harness import (
     Controller,
+    HeldRequest,
     cluster,
     federation,
     gpu_backend,
+    poll,
     py,
     request,
     restart,
@@ -20,8 +21,10 @@ from controller_harness import (
     write_config,
 )
 
+from iris.controller.app import MAX_FOLLOW_WAIT_S
 from iris.controller.client import ControllerClient
 from iris.controller.feed import ChangeFeed
+from iris.controller.models import ChangeList
 from iris.controller.models import ControllerJobState as S
 
 
@@ -76,14 +79,26 @@ async def test_long_poll_wakes_on_a_change(open_controller: Controller) -> None:
         # No change: the poll answers empty after its wait, with the same cursor.
         quiet = await c.changes(cursor, wait_s=0.5)
         assert quiet.jobs == [] and quiet.cursor == cursor
-        started = time.monotonic()
-        polling = asyncio.create_task(c.changes(cursor, wait_s=30))
-        await asyncio.sleep(0.5)
-        assert not polling.done(), "the poll waits while nothing changes"
+        # A poll with the longest wait allowed, in the controller's hands before anything changes.
+        held = await HeldRequest(
+            open_controller, f"/v1/changes?since={cursor}&wait={MAX_FOLLOW_WAIT_S}"
+        ).send()
+        await poll(held.in_hands, bool, what="the controller to read the long poll")
+        polling = asyncio.create_task(held.response())
         await c.launch(request(py("print('wake')"), job_id="feed/wake", gpus=1))
-        woke = await asyncio.wait_for(polling, 25)
+        await wait_terminal(c, "feed/wake")
+        # The marker: a poll sent after the change, from the newest cursor, that nothing wakes for
+        # half the first one's wait. Answered on the change, the first poll is done long before it;
+        # left to run out its wait, it would still be waiting when the marker answers.
+        _, latest = await _all_pages(c, 1000)
+        marker = asyncio.create_task(c.changes(latest, wait_s=MAX_FOLLOW_WAIT_S / 2))
+        done, _ = await asyncio.wait({polling, marker}, return_when=asyncio.FIRST_COMPLETED)
+        assert polling in done, "the poll was not answered on the change"
+        marker.cancel()
+        status, body = await polling
+        assert status == 200, body
+        woke = ChangeList.model_validate_json(body)
         assert "feed/wake" in [j.job_id for j in woke.jobs]
-        assert time.monotonic() - started < 30, "answered on the change, not at the end of its wait"
 
 
 async def test_a_cursor_from_before_a_restart_resyncs(tmp_path: Path) -> None:
@@ -142,14 +157,15 @@ async def test_a_stop_does_not_wait_for_open_long_polls(tmp_path: Path) -> None:
     try:
         async with ctl.client(timeout=60) as c:
             _, cursor = await _all_pages(c, 1000)
-            polls = [asyncio.create_task(c.changes(cursor, wait_s=50)) for _ in range(3)]
-            await asyncio.sleep(0.5)
-            started = time.monotonic()
-            await asyncio.to_thread(ctl.stop)
-            stopped_s = time.monotonic() - started
-            answers = await asyncio.gather(*polls, return_exceptions=True)
-        # Without the feed's close, the server waits out its 15 s graceful timeout for them.
-        assert stopped_s < 10, f"the stop took {stopped_s:.1f}s"
-        assert all(not isinstance(a, BaseException) and a.jobs == [] for a in answers), answers
+        polls = [await HeldRequest(ctl, f"/v1/changes?since={cursor}&wait=50").send() for _ in range(3)]
+        for held in polls:
+            await poll(held.in_hands, bool, what="the controller to read each long poll")
+        await asyncio.to_thread(ctl.stop)
+        answers = [await held.response() for held in polls]
+        # The feed's close answers them, empty, as the stop begins. Without it the server would
+        # wait out its 15 s graceful timeout, then cancel them: no answer, or a 500, for each.
+        for status, body in answers:
+            assert status == 200, body
+            assert ChangeList.model_validate_json(body).jobs == []
     finally:
         ctl.stop()
