@@ -299,6 +299,16 @@ class FederationConfig(BaseModel):
     # its relayed log). 0: no watchers, every running job polls its cluster (the design before the
     # change feed).
     mirror_safety_poll_s: float = Field(default=900.0, ge=0)
+    # The handoff's retries (docs/DESIGN.md, "Errors, retries and parking"): the launch and the
+    # bundle staging are tried 6 times, the first retry after handoff_retry_initial_s, each wait
+    # doubling up to handoff_retry_max_s (1 s and 10 s: about 25 s before the park). A parked job
+    # whose launch went unanswered asks its cluster again after parked_probe_first_s, doubling up
+    # to parked_probe_max_s (15 s and 10 min). A job takes the values of the view it was
+    # classified with.
+    handoff_retry_initial_s: float = Field(default=1.0, gt=0, le=60)
+    handoff_retry_max_s: float = Field(default=10.0, gt=0, le=600)
+    parked_probe_first_s: float = Field(default=15.0, gt=0, le=3600)
+    parked_probe_max_s: float = Field(default=600.0, gt=0, le=3600)
     # Who may submit, cancel and replay, with their public keys and roles (docs/DESIGN.md, "User →
     # home"); the worker verifies every request against it. ``iris dev`` adds the OS user (admin).
     users: dict[str, UserConfig] = Field(default_factory=dict)
@@ -310,6 +320,10 @@ class FederationConfig(BaseModel):
             raise ValueError("duplicate cluster names")
         if self.home not in names:
             raise ValueError(f"home cluster {self.home!r} is not among the clusters {names}")
+        if self.handoff_retry_max_s < self.handoff_retry_initial_s:
+            raise ValueError("handoff_retry_max_s must be at least handoff_retry_initial_s")
+        if self.parked_probe_max_s < self.parked_probe_first_s:
+            raise ValueError("parked_probe_max_s must be at least parked_probe_first_s")
         return self
 
     def cluster(self, name: str) -> ClusterConfig:

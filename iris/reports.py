@@ -23,6 +23,14 @@ class FederationView(BaseModel):
     # How often a running job asks its cluster itself while the cluster's watcher signals its
     # changes (docs/DESIGN.md, "Mirroring"); 0: no watchers, the job polls its cluster throughout.
     mirror_safety_poll_s: float = 0.0
+    # The handoff's retry schedule and a parked job's probes (iris/config.py, docs/DESIGN.md,
+    # "Errors, retries and parking"), taken by runs with the workflow's handoff-timers-v1 patch.
+    # The defaults are the constants of the runs before it: a view recorded without them reads
+    # back as those.
+    handoff_retry_initial_s: float = 1.0
+    handoff_retry_max_s: float = 10.0
+    parked_probe_first_s: float = 15.0
+    parked_probe_max_s: float = 600.0
     reports: list[PeerReport]
     # When the reports were read: staleness is judged at that instant, not when a (possibly
     # delayed) workflow task gets to look at them.
@@ -70,6 +78,10 @@ async def gather_reports(config: FederationConfig, *, timeout_s: float = 5.0) ->
         stale_after_ms=config.stale_after_ms,
         peer_lost_after_s=config.peer_lost_after_s,
         mirror_safety_poll_s=config.mirror_safety_poll_s,
+        handoff_retry_initial_s=config.handoff_retry_initial_s,
+        handoff_retry_max_s=config.handoff_retry_max_s,
+        parked_probe_first_s=config.parked_probe_first_s,
+        parked_probe_max_s=config.parked_probe_max_s,
         reports=list(reports),
         fetched_ms=int(time.time() * 1000),
         configured={

@@ -386,6 +386,33 @@ async def preempted_requeued(stack: Stack) -> str:
     return job_id
 
 
+async def launch_unanswered_adopted(stack: Stack) -> str:
+    """TIMERS_PATCH: the launch reaches cw-rno2a, whose answer is cut and which then refuses every
+    connection: the launch's retries (on the stack's configured schedule) and the reconciliation go
+    unanswered, and the job parks with the outcome unknown. The park probes the silent cluster (its
+    configured first probe), then the cluster answers and the next probe adopts the attempt."""
+    proxy = stack.proxies["cw-rno2a"]
+    proxy.cut("POST /v1/jobs", forward=True)
+    try:
+        job_id = await _submit(stack, "unanswered", ["echo", "adopted"], target_cluster="cw-rno2a")
+        status = await _state(stack, job_id, JobState.HANDOFF_FAILED, within=120)
+        assert "the outcome is unknown" in status.reason, status.reason
+        handle = stack.client.get_workflow_handle(job_id)
+        deadline = time.monotonic() + 60
+        # A probe timer has fired (and asked the silent cluster) before the cluster answers again.
+        while not [
+            e async for e in handle.fetch_history_events() if e.HasField("timer_fired_event_attributes")
+        ]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the parked job never probed its cluster")
+            await asyncio.sleep(0.2)
+    finally:
+        await proxy.heal()
+    status = await _state(stack, job_id, JobState.SUCCEEDED, within=120)
+    assert [a.end for a in status.attempts] == ["SUCCEEDED"], status.attempts
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -421,6 +448,7 @@ SCENARIOS = [
     Scenario("explained_then_cancelled", explained_then_cancelled),
     Scenario("explained_then_run", explained_then_run, alone=True),
     Scenario("preempted_requeued", preempted_requeued, alone=True),
+    Scenario("launch_unanswered_adopted", launch_unanswered_adopted, alone=True),
 ]
 MANAGER = "placement_manager"
 WATCHER = "peer_watch"

@@ -72,6 +72,14 @@ def free_port_config(base: FederationConfig, temporal_address: str) -> Federatio
     cfg.temporal.ui_port = devstack.free_port()
     cfg.s3_port = devstack.free_port()
     cfg.gcs_port = devstack.free_port()
+    # Short handoff timers (docs/DESIGN.md, "Errors, retries and parking"): the launch's 6 tries
+    # span 0.5 + 1 + 2 + 4 + 4 = 11.5 s (25 s by default), still longer than a controller's restart
+    # on a loaded machine (3-8 s measured; tests/e2e/test_bundles.py restarts one under a launch),
+    # and a park whose launch went unanswered asks its cluster after 1 s, then every 2 s.
+    cfg.handoff_retry_initial_s = 0.5
+    cfg.handoff_retry_max_s = 4.0
+    cfg.parked_probe_first_s = 1.0
+    cfg.parked_probe_max_s = 2.0
     for c in cfg.clusters:
         c.port = devstack.free_port()
         # The suite's jobs run this interpreter, which need not be reachable by an unprivileged

@@ -94,6 +94,8 @@ _REPORTS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_atte
 _ARTIFACT_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10), maximum_attempts=5
 )
+# The launch's and the bundle staging's retries in runs before TIMERS_PATCH; later runs take the
+# view's initial and maximum intervals (``_handoff_retry``).
 _HANDOFF_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
@@ -113,7 +115,8 @@ class _Step:
 
 
 _ARTIFACT_STEP = _Step(_QUICK, _ARTIFACT_RETRY)
-_STAGE_STEP = _Step(timedelta(minutes=5), _HANDOFF_RETRY)
+# Staging a bundle: one try may take this long; retried as the launch (``_handoff_retry``).
+_STAGE_TIMEOUT = timedelta(minutes=5)
 # Asking a cluster whether it has an attempt: an answer, or "unknown" after a few tries.
 _FIND_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 CANCELLED_WHILE_PARKED = "Cancelled while parked after a failed handoff"
@@ -164,6 +167,13 @@ REASON_PATCH = "reason-code-v1"
 # that predates the patch treats it as a lost attempt (PeerLost). Asked in the first task of every
 # run, as FEED_PATCH.
 PREEMPT_PATCH = "preemption-v1"
+# Runs with this patch take the handoff's retry schedule (the launch and the bundle staging) and a
+# parked job's probes from the view they were classified with (its handoff_retry_initial_s,
+# handoff_retry_max_s, parked_probe_first_s and parked_probe_max_s, from the federation config:
+# docs/DESIGN.md, "Errors, retries and parking"); a run that predates it keeps _HANDOFF_RETRY and
+# _PROBE_FIRST/_PROBE_MAX (the views' defaults are the same values). Asked in the first task of
+# every run, as FEED_PATCH.
+TIMERS_PATCH = "handoff-timers-v1"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
@@ -172,7 +182,8 @@ _EVENTS_TAIL = 200
 # follow_job answers at the latest after this without a change: a running job's history grows by
 # one activity every half hour (and continues as new, see above).
 _FOLLOW_MAX_WAIT = timedelta(minutes=30)
-# A parked job whose launch's outcome is unknown asks its cluster again after this, doubling to 10 min.
+# A parked job whose launch's outcome is unknown asks its cluster again after this, doubling to 10 min
+# (runs before TIMERS_PATCH; later ones take the view's parked_probe_first_s and parked_probe_max_s).
 _PROBE_FIRST = timedelta(seconds=15)
 _PROBE_MAX = timedelta(minutes=10)
 
@@ -347,6 +358,8 @@ class _Job:
     feed: bool = False
     # Whether this run tells a preempted attempt from a lost one (PREEMPT_PATCH).
     preemption: bool = False
+    # Whether this run takes its handoff retries and parked probes from ``view`` (TIMERS_PATCH).
+    timers: bool = False
 
     @property
     def incarnation(self) -> str:
@@ -751,6 +764,7 @@ class JobWorkflow:
         # its marker could land in a task that also completes a slow local activity (see above).
         job.feed = workflow.patched(FEED_PATCH)
         job.preemption = workflow.patched(PREEMPT_PATCH)
+        job.timers = workflow.patched(TIMERS_PATCH)
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -1176,7 +1190,8 @@ class JobWorkflow:
         self._set(JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
         why = f"Cannot stage the workspace bundle on {cluster}"
         stage = StageInput(cluster=cluster, bundle=bundle)
-        staged = await self._handoff_step(PeerActivities.stage_bundle, stage, _STAGE_STEP, why)
+        step = _Step(_STAGE_TIMEOUT, self._handoff_retry())
+        staged = await self._handoff_step(PeerActivities.stage_bundle, stage, step, why)
         done = "uploaded to" if staged.uploaded else "already on"
         self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
         if self._job.cancel is not None:
@@ -1220,7 +1235,7 @@ class JobWorkflow:
                 PeerActivities.launch_job,
                 LaunchInput(cluster=cluster, request=request),
                 start_to_close_timeout=_QUICK,
-                retry_policy=_HANDOFF_RETRY,
+                retry_policy=self._handoff_retry(),
             )
             return await asyncio.shield(job.launch_op)
         except ActivityError as exc:
@@ -1242,6 +1257,26 @@ class JobWorkflow:
                 f"the job may be running there",
                 code=ReasonCode.PeerUnreachable,
             ) from None
+
+    def _handoff_retry(self) -> RetryPolicy:
+        """How the launch and the bundle staging are retried: the view's schedule (TIMERS_PATCH),
+        else _HANDOFF_RETRY."""
+        view = self._job.view
+        if not self._job.timers or view is None:
+            return _HANDOFF_RETRY
+        return dataclasses.replace(
+            _HANDOFF_RETRY,
+            initial_interval=timedelta(seconds=view.handoff_retry_initial_s),
+            maximum_interval=timedelta(seconds=view.handoff_retry_max_s),
+        )
+
+    def _probe_schedule(self) -> tuple[timedelta, timedelta]:
+        """When a parked job first asks its cluster again, and the most it waits between two asks:
+        the view's (TIMERS_PATCH), else _PROBE_FIRST and _PROBE_MAX."""
+        view = self._job.view
+        if not self._job.timers or view is None:
+            return _PROBE_FIRST, _PROBE_MAX
+        return timedelta(seconds=view.parked_probe_first_s), timedelta(seconds=view.parked_probe_max_s)
 
     async def _clear_stale(self, cluster: str) -> None:
         """Before a later attempt on ``cluster``: an earlier attempt there that its cluster lost
@@ -1353,7 +1388,7 @@ class JobWorkflow:
             self._set(JobState.HANDOFF_FAILED, parked.reason, code=parked.code)
             if job.queued:
                 await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason)
-        probe_in = _PROBE_FIRST
+        probe_in, probe_max = self._probe_schedule()
         while True:
             try:
                 await workflow.wait_condition(
@@ -1362,7 +1397,7 @@ class JobWorkflow:
                 )
             except TimeoutError:
                 await self._probe_parked()
-                probe_in = min(probe_in * 2, _PROBE_MAX)
+                probe_in = min(probe_in * 2, probe_max)
                 await self._continue_as_new(Phase.PARKED, cluster=cluster, backend=backend)
                 continue
             break

@@ -34,6 +34,7 @@ from workflows.job import (
     PREEMPT_PATCH,
     REASON_PATCH,
     TERMINAL_LAUNCH_PATCH,
+    TIMERS_PATCH,
     JobWorkflow,
 )
 from workflows.placement import PlacementManager
@@ -76,6 +77,10 @@ PATCHED_PATHS = {
     # Issue 19: a batch job preempted on its peer for an interactive one, queued again (Preempted)
     # as its second attempt, which succeeds.
     "preempted_requeued": PREEMPT_PATCH,
+    # Issue 25: the handoff's retries and a park's probes on the configured schedule (the test
+    # stack's short one): a launch whose answer was cut, parked with the outcome unknown, probed,
+    # then adopted when its cluster answers.
+    "launch_unanswered_adopted": TIMERS_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}

@@ -20,8 +20,10 @@
 
 What ran where is read from the controllers themselves (behind their proxies) and from the job
 processes on this machine (each carries ``IRIS_JOB_ID`` and ``IRIS_CLUSTER`` in its environment).
-The parks probe their cluster at 15 s, 30 s, ... (workflows/job.py, ``_PROBE_FIRST``); the launch is
-retried for about 25 s before the park (``_HANDOFF_RETRY``).
+The tests wait for states, never for a fixed time: how soon a launch is given up and a park probes
+its cluster is the stack's configuration (tests/stack.py, ``free_port_config``: the handoff's
+retries and a park's probes, shorter than the defaults of docs/DESIGN.md, "Errors, retries and
+parking"), and the bounds below are derived from it.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import pytest
 from stack import Stack
 
 from iris.client import build_spec
-from iris.contract import SA_STATE, manager_workflow_id
+from iris.config import FederationConfig
+from iris.contract import SA_STATE, TERMINATE_JOB, manager_workflow_id
 from iris.controller.client import ControllerClient
 from iris.controller.errors import NotFound
 from iris.controller.identity import TokenSigner
@@ -57,10 +60,8 @@ EAST = "cw-us-east-02a"
 RNO = "cw-rno2a"
 PEERS = (RNO, EAST)
 LAUNCH = "POST /v1/jobs"
-# Launch retries (~25 s) and the reconciliation (~3 s) before the park, with room for a loaded machine.
-PARK_TIMEOUT_S = 90.0
-# The first probe of a park comes 15 s after it; then 30 s later.
-PROBE_TIMEOUT_S = 60.0
+# Room for a loaded machine in the bounds below (a bound, not a wait: the tests wait for states).
+SLACK_S = 60.0
 # A short peer_lost_after for the tests of a peer lost for good (the stack's worker reads its config
 # object at each classification: jobs submitted meanwhile take this value).
 LOST_AFTER_S = 8.0
@@ -68,6 +69,19 @@ SLEEPER = "import sys, time; print(sys.argv[1], flush=True); time.sleep(600)"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
+
+def park_within(config: FederationConfig) -> float:
+    """A bound on the time from a launch with no answer to the park: its 6 tries (the configured
+    waits between them) and the reconciliation (3 questions, about 3 s)."""
+    waits = (min(config.handoff_retry_initial_s * 2.0**i, config.handoff_retry_max_s) for i in range(5))
+    return sum(waits) + 3 + SLACK_S
+
+
+def probed_within(config: FederationConfig) -> float:
+    """A bound on the time from a cluster answering again to the park's next probe reaching it:
+    the longest wait between two probes, and one probe still asking through the outage."""
+    return 2 * config.parked_probe_max_s + 3 + SLACK_S
 
 
 def unique(name: str) -> str:
@@ -154,7 +168,11 @@ async def launch_unanswered(stack: Stack, job_id: str, *, reached: bool) -> tupl
     controller if ``reached``) and then refuses every connection; wait for the park. Returns the
     cluster that may run the job and the other GPU peer (healed, forwarding again)."""
     st = await until(
-        stack, job_id, lambda s: s.state is JobState.HANDOFF_FAILED or s.terminal, "parked", PARK_TIMEOUT_S
+        stack,
+        job_id,
+        lambda s: s.state is JobState.HANDOFF_FAILED or s.terminal,
+        "parked",
+        park_within(stack.config),
     )
     assert st.state is JobState.HANDOFF_FAILED, st.reason
     cluster = st.cluster
@@ -197,6 +215,32 @@ async def followed_until(stack: Stack, job_id: str, text: str) -> None:
             return
 
 
+async def terminate_unanswered(stack: Stack, job_id: str) -> bool:
+    """Whether the job's terminate is under way and has met the outage: its activity re-sends it
+    until the cluster answers, heartbeating that the cluster is unavailable (activities/peers.py,
+    terminate_job)."""
+    described = await stack.client.get_workflow_handle(job_id).describe()
+    return any(
+        a.activity_type.name == TERMINATE_JOB and b"unavailable" in p.data
+        for a in described.raw_description.pending_activities
+        for p in a.heartbeat_details.payloads
+    )
+
+
+async def ticks_after(stack: Stack, n: int) -> None:
+    """Until the placement manager has ticked ``n`` more times."""
+    manager = stack.client.get_workflow_handle(manager_workflow_id(stack.config.temporal.task_queue))
+    seen: set[int] = set()
+
+    async def ticked() -> bool:
+        last = await manager.query(PlacementManager.last_tick)
+        if last is not None:
+            seen.add(last.at_ms)
+        return len(seen) > n  # the first one seen was already there
+
+    await eventually(ticked, f"{n} ticks", 30 + n * stack.config.tick_interval_s)
+
+
 def launches_since(stack: Stack, before: dict[str, int]) -> dict[str, int]:
     return {peer: stack.proxies[peer].requests[LAUNCH] - n for peer, n in before.items()}
 
@@ -225,7 +269,9 @@ async def jobs(stack: Stack) -> AsyncIterator[list[str]]:
 async def shorten_lost_after(stack: Stack, monkeypatch: pytest.MonkeyPatch, seconds: float) -> float:
     """Jobs submitted from now on in this test lose an attempt whose cluster is silent this long."""
     monkeypatch.setattr(stack.config, "peer_lost_after_s", seconds)
-    await asyncio.sleep(0.6)  # the worker reuses a federation view for 0.5 s
+    # The worker reuses a federation view for 0.5 s (activities/peers.py, fetch_reports), and
+    # nothing shows when the one it holds has expired: real time has to pass.
+    await asyncio.sleep(0.6)  # not a wait: the worker's view cache expires with time, no state
     return seconds
 
 
@@ -251,8 +297,7 @@ class Adopted:
 @pytest.fixture(scope="module")
 async def adopted(stack: Stack) -> AsyncIterator[Adopted]:
     """A job whose launch reached a GPU peer, and whose answers were all lost, ends there during the
-    park; the peer answers again and the probe adopts it. Shared by the tests that look at it (its
-    park alone takes about 40 s)."""
+    park; the peer answers again and the probe adopts it. Shared by the tests that look at it."""
     try:
         before = arm_cut(stack, forward=True)
         marker = uuid.uuid4().hex
@@ -273,7 +318,7 @@ async def adopted(stack: Stack) -> AsyncIterator[Adopted]:
         await eventually(ended_there, f"{job_id} ended on {cluster} during the park", 30)
         await stack.proxies[cluster].heal()
         st = await until(
-            stack, job_id, lambda s: s.terminal, "ended after its peer answered", PROBE_TIMEOUT_S
+            stack, job_id, lambda s: s.terminal, "ended after its peer answered", probed_within(stack.config)
         )
         # One launch reached a controller: the retries met a closed port, the probes only asked.
         assert launches_since(stack, before) == {cluster: 1, other: 0}
@@ -329,7 +374,7 @@ async def test_a_cancel_of_a_job_whose_launch_went_unanswered_stops_it_on_the_pe
         "termination requested there"
     )
     # The peer does not answer: the terminate is re-sent; nothing says KILLED, the job still runs.
-    await asyncio.sleep(6)
+    await eventually(lambda: terminate_unanswered(stack, job_id), "the terminate met the outage", 60)
     st = await stack.iris.describe(job_id)
     assert st.state is JobState.HANDOFF_FAILED and st.cancel_requested, st.reason
     assert job_processes(job_id) == {pid: cluster}
@@ -369,7 +414,9 @@ async def test_a_replay_elsewhere_is_refused_until_the_peer_that_may_run_the_job
     assert st.state is JobState.HANDOFF_FAILED and st.cluster == cluster
 
     await stack.proxies[cluster].heal()
-    st = await until(stack, job_id, lambda s: s.state is JobState.RUNNING, "adopted", PROBE_TIMEOUT_S)
+    st = await until(
+        stack, job_id, lambda s: s.state is JobState.RUNNING, "adopted", probed_within(stack.config)
+    )
 
     assert st.cluster == cluster
     assert f"{cluster} answers: it has the job; following it there" in events(st)
@@ -405,7 +452,9 @@ async def test_a_launch_that_never_reached_the_peer_is_confirmed_absent_then_rep
 
     await stack.proxies[cluster].heal()
     confirmed = f"Handoff to {cluster} failed after retries; {cluster} confirms it never received the job"
-    await until(stack, job_id, lambda s: s.reason == confirmed, "confirmed absent", PROBE_TIMEOUT_S)
+    await until(
+        stack, job_id, lambda s: s.reason == confirmed, "confirmed absent", probed_within(stack.config)
+    )
     replayed = await stack.cli("ops", "replay-handoff", job_id, "--peer", other)
     assert replayed.code == 0, replayed.stderr
     st = await until(stack, job_id, lambda s: s.terminal, "ended after the replay", 60)
@@ -478,7 +527,6 @@ async def test_a_peer_lost_for_good_moves_its_jobs_and_its_stale_attempts_are_fe
 
     stack.proxies[RNO].refuse()
     lost_at = time.time()
-    tick_s = stack.config.tick_interval_s
     st = await until(
         stack, moving, lambda s: len(s.attempts) >= 2, "moved to a second attempt", lost_after + 30
     )
@@ -513,8 +561,8 @@ async def test_a_peer_lost_for_good_moves_its_jobs_and_its_stale_attempts_are_fe
             remote = await ctl.status(job_id)
         assert (remote.state, remote.nonce) == (ControllerJobState.KILLED, nonce(st, 1)), remote
         assert stale[job_id] not in job_processes(job_id)
-    # Never the job's result: what the jobs ended as stands.
-    await asyncio.sleep(2 * tick_s)
+    # Never the job's result: what the jobs ended as stands, two ticks on.
+    await ticks_after(stack, 2)
     assert (await stack.iris.describe(moving)).model_dump(exclude={"updated_ms"}) == done.model_dump(
         exclude={"updated_ms"}
     )
@@ -701,7 +749,7 @@ async def test_a_terminated_queued_job_leaves_its_capacity_to_the_next_within_th
             last = await manager.query(PlacementManager.last_tick)
             if last is not None:
                 ticks[last.at_ms] = last.placed
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # not a wait: the recorder's sampling period
 
     recorder = asyncio.create_task(record_ticks())
     try:
@@ -712,7 +760,7 @@ async def test_a_terminated_queued_job_leaves_its_capacity_to_the_next_within_th
             freed_ms = (await ctl.status(blocker)).finished_ms
         assert freed_ms is not None
         st = await until(stack, nxt, lambda s: s.terminal, "placed and run", 30)
-        await asyncio.sleep(0.2)
+        await eventually(lambda: any(nxt in placed for placed in ticks.values()), "the placing tick seen", 10)
     finally:
         recorder.cancel()
     assert (st.state, st.cluster) == (JobState.SUCCEEDED, RNO), st.reason
