@@ -16,13 +16,12 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from iris.defaults import DEFAULT_DATA_DIR as DEFAULT_DATA_DIR
+from iris.defaults import PROJECT_ROOT as PROJECT_ROOT
 from iris.userkeys import parse_public_key
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
 CONFIG_ENV = "IRIS_CONFIG"
-# Where `iris dev` and a standalone `iris worker` keep state unless told otherwise.
-DEFAULT_DATA_DIR = PROJECT_ROOT / ".data" / "dev"
 
 
 class ConfigError(Exception):
