@@ -3,10 +3,11 @@ must agree on, in one place (docs/DESIGN.md, "The Temporal contract").
 
 Workflow types, workflow ids, task queues, message names (signals, updates, queries), activity
 names, search attributes, the memo key and the error types activities raise. The workflows and
-activities declare themselves under these names; the SDK sends messages by typed reference to the
-workflow's methods (``handle.signal(JobWorkflow.cancel, ...)``), which carry the same names. A test
-(``tests/test_contract.py``) checks both sides against this module, and that no other module of the
-product spells one of these names as a string.
+activities declare themselves under these names; the SDK sends a job's messages by typed reference to
+the workflow's methods (``handle.signal(JobWorkflow.cancel, ...)``), which carry the same names, and
+the placement manager's Updates by these names (``QUEUE_POSITIONS``, ``DRY_RUN``: `iris job list`
+loads no workflow code). A test (``tests/test_contract.py``) checks both sides against this module,
+and that no other module of the product spells one of these names as a string.
 
 Changing a value here renames something in running histories: it breaks every run in flight.
 """
