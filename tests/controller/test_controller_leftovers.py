@@ -24,7 +24,7 @@ async def test_runs_ending_together_share_scans_and_each_gets_its_own_leftovers_
         ids = list(runs)
         # Half ask at once; the other half while the first scan runs (they wait for the next one).
         first = [asyncio.create_task(sweeper.kill(r)) for r in ids[:6]]
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # not a wait: one turn of the loop, so the first six reach the sweeper first
         second = [asyncio.create_task(sweeper.kill(r)) for r in ids[6:]]
         again = asyncio.create_task(sweeper.kill(ids[0]))  # asked twice: one answer for both
         counts = await asyncio.gather(*first, *second)

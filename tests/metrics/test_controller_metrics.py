@@ -5,12 +5,10 @@ uvicorn with auth on; its requests are signed as a peer's would be, and a real j
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import pwd
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ import httpx
 import pytest
 from exposition import exposition
 from served import served
+from stack import wait_until
 
 from iris import devstack, metrics
 from iris.config import FederationConfig
@@ -156,16 +155,14 @@ async def test_metrics_count_by_bounded_labels_and_name_no_job_user_or_secret(pe
         assert (await http.get("/v1/backends")).status_code == 401
         assert (await http.get("/no/such/path/secret-project")).status_code == 404
 
-    async def running() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        deadline = time.monotonic() + 20
-        while True:
-            _, seen = await peer.scrape()
-            if seen.get((metrics.CONTROLLER_RUNNING_JOBS, labels(backend="h100-east"))) == 1:
-                return seen
-            assert time.monotonic() < deadline, seen
-            await asyncio.sleep(0.1)
+    seen: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
 
-    seen = await running()
+    async def running() -> bool:
+        nonlocal seen
+        _, seen = await peer.scrape()
+        return seen.get((metrics.CONTROLLER_RUNNING_JOBS, labels(backend="h100-east"))) == 1
+
+    await wait_until(running, timeout=20, what="one job running on h100-east")
     resp, _ = await peer.scrape()
     requests = {k[1]: v for k, v in seen.items() if k[0] == metrics.CONTROLLER_REQUESTS}
     assert requests[labels(method="POST", route="/v1/jobs", status="200")] == 2
