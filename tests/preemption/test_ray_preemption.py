@@ -35,7 +35,7 @@ from iris import devstack
 from iris.config import FederationConfig
 from iris.controller.errors import Unavailable
 from iris.controller.executors.core import Executor
-from iris.controller.executors.ray_jobs import submission_id
+from iris.controller.executors.ray_jobs import RayBackend, submission_id
 from iris.controller.models import ControllerJobState as S
 from iris.controller.state import StateStore
 from iris.policy.models import Band
@@ -104,22 +104,25 @@ class Checked(FeedChecked):
     async def started(self, *job_ids: str) -> None:
         await self.until(f"{job_ids} running", lambda: all(self.state(j) is S.RUNNING for j in job_ids))
 
-    async def quiet(self, seconds: float) -> None:
-        """Let the backend's monitor run several rounds (every 0.5 s): time for it to act wrongly."""
-        await asyncio.sleep(seconds)
+    async def quiet(self, rounds: int = 6) -> None:
+        """Let the backend's monitor complete ``rounds`` more rounds (one every 0.5 s): time for it
+        to act wrongly."""
+        backend = self.executor.backends[self.backend_id]
+        assert isinstance(backend, RayBackend)
+        done = backend.rounds + rounds
+        await self.until(f"{rounds} rounds of the Ray monitor", lambda: backend.rounds >= done)
 
 
-def _stop_all(spec: devstack.RayHeadSpec, test: str) -> None:
-    """Stop every unfinished Ray job of ``test`` on the head (the executor's shutdown leaves them
-    running); other users' jobs on the shared head are left alone."""
+def _stop_all(spec: devstack.RayHeadSpec, job_ids: set[str]) -> None:
+    """Stop every unfinished Ray job of ``job_ids`` on the head (the executor's shutdown leaves
+    them running); other users' jobs on the shared head are left alone."""
     client = JobSubmissionClient(spec.address)
-    mine = preempt_resource(test)
     deadline = time.monotonic() + 60
     while True:
         live = [
             j
             for j in client.list_jobs()
-            if not j.status.is_terminal() and mine in (j.entrypoint_resources or {})
+            if not j.status.is_terminal() and (j.metadata or {}).get("iris_job_id") in job_ids
         ]
         if not live:
             return
@@ -162,7 +165,7 @@ async def checked_executor(
         await executor.shutdown()
         store.close()
         if not leave:
-            await asyncio.to_thread(_stop_all, spec, test)
+            await asyncio.to_thread(_stop_all, spec, set(executor.jobs))
 
 
 def ray_status(spec: devstack.RayHeadSpec, job_id: str) -> RayStatus:
@@ -229,7 +232,7 @@ async def test_the_fewest_victims_then_the_lowest_band_and_never_a_higher_one(
         # The one batch job left (2 chips) cannot make room for 4: nothing is preempted in vain,
         # and neither the interactive nor the production job is a victim.
         c.launch("inter/b", Band.INTERACTIVE, 4)
-        await c.quiet(3.0)
+        await c.quiet()
         assert c.state("inter/b") is S.PENDING
         assert {j: c.state(j) for j in ("mid/interactive", "young/small", "prod/a")} == dict.fromkeys(
             ("mid/interactive", "young/small", "prod/a"), S.RUNNING
@@ -249,7 +252,7 @@ async def test_batch_preempts_nothing_and_interactive_does_not_preempt_interacti
         await c.started("batch/b")
         # A batch job waits: batch preempts nothing.
         c.launch("batch/c", Band.BATCH, 2)
-        await c.quiet(3.0)
+        await c.quiet()
         assert c.state("batch/c") is S.PENDING
         assert c.state("batch/a") is S.RUNNING and c.state("batch/b") is S.RUNNING
         # An interactive job takes the whole backend; the waiting batch job does not get in first.
@@ -259,7 +262,7 @@ async def test_batch_preempts_nothing_and_interactive_does_not_preempt_interacti
         assert c.state("batch/c") is S.PENDING
         # Another interactive job waits behind the first: an equal band is never preempted.
         c.launch("inter/b", Band.INTERACTIVE, 2)
-        await c.quiet(3.0)
+        await c.quiet()
         assert c.state("inter/a") is S.RUNNING
         assert c.state("inter/b") is S.PENDING and c.state("batch/c") is S.PENDING
         assert c.preemptions_seen == {"batch/a", "batch/b"}

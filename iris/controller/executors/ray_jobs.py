@@ -314,6 +314,9 @@ class RayBackend(Backend):
         self._reachable = False
         self._reason = f"Ray at {self.address} not contacted yet"
         self._last_ok = 0.0
+        # Rounds of the monitor that read Ray and stepped every tracked job: a test waits for a few
+        # of them to see that the backend did not act, where it would otherwise sleep.
+        self.rounds = 0
         self._signature: object = None
         self._busy: str | None = None  # the job id the monitor is talking to Ray about
         # Waiting jobs that may go to Ray this round (``_plan``).
@@ -530,6 +533,7 @@ class RayBackend(Backend):
             finally:
                 self._busy = None
             self._observe()
+        self.rounds += 1
 
     def _unreachable(self, reason: str) -> None:
         if self._reachable:
