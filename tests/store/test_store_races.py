@@ -7,15 +7,16 @@ one process's pool, does the serializing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from budget import scaled
-from sqlalchemy import create_engine, select
+from sqlalchemy import Engine, create_engine, event, select
 from store_factories import EPOCH, NOW, PEER, Stores, gpu_backend, handle, placement, report
 
 from iris.store import CancelResult, HandleState, PromoteOutcome, PromoteResult
@@ -120,6 +121,42 @@ def test_enqueue_and_report_upserts_race_safely(stores: Stores) -> None:
     assert [r.peer_id for r in a.load_reports()] == [PEER]
 
 
+def _until(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.02)
+
+
+def _lock_waiters(engine: Engine) -> int:
+    """PostgreSQL sessions of this database waiting for a lock (each query its own snapshot)."""
+    with engine.connect() as watcher:
+        query = (
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return int(watcher.exec_driver_sql(query).scalar_one())
+
+
+@contextlib.contextmanager
+def _taking_the_write_lock() -> Iterator[threading.Event]:
+    """Set once a thread other than this one sends SQLite's ``BEGIN IMMEDIATE`` (the store's writers
+    take the write lock up front, iris/store/store.py): from then on it waits for the lock."""
+    asked = threading.Event()
+    me = threading.get_ident()
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement == "BEGIN IMMEDIATE" and threading.get_ident() != me:
+            asked.set()
+
+    event.listen(Engine, "before_cursor_execute", before)
+    try:
+        yield asked
+    finally:
+        event.remove(Engine, "before_cursor_execute", before)
+
+
 def test_promotion_waits_for_a_concurrent_charge_and_sees_it(stores: Stores) -> None:
     """Deterministic form of the race: another writer holds the peer and charges the backend.
 
@@ -148,9 +185,17 @@ def test_promotion_waits_for_a_concurrent_charge_and_sees_it(stores: Stores) -> 
                     created_ms=NOW,
                 )
             )
-            pending = pool.submit(store.promote, "a", "inc-1", placement("a"), NOW)
-            time.sleep(0.4)
-            assert not pending.done(), pending.result()
+            with _taking_the_write_lock() as sqlite_waits:
+                pending = pool.submit(store.promote, "a", "inc-1", placement("a"), NOW)
+                # The promotion is at the lock `other` holds (not merely submitted) before it commits.
+                if postgres:
+                    _until(
+                        lambda: _lock_waiters(engine) > 0 or pending.done(),
+                        "the promotion to wait for the lock",
+                    )
+                else:
+                    assert sqlite_waits.wait(60), "the promotion never asked for the write lock"
+                assert not pending.done(), pending.result()
             other.exec_driver_sql("COMMIT")
             result = pending.result(timeout=10)
     finally:

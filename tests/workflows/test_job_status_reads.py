@@ -10,7 +10,13 @@ from typing import Any, cast
 
 import pytest
 from job_doubles import FakeFederation, cpu_spec, env_now_ms, federation_view, gpu_spec, placement, start_job
-from temporalio.client import Client
+from temporalio.client import (
+    Client,
+    FetchWorkflowHistoryEventsInput,
+    OutboundInterceptor,
+    WorkflowHistoryEventAsyncIterator,
+)
+from temporalio.client import Interceptor as ClientInterceptor
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import (
     ExecuteWorkflowInput,
@@ -66,8 +72,37 @@ def queries() -> list[str]:
     return QUERIES
 
 
-def _client(env: WorkflowEnvironment) -> AsyncIrisClient:
-    return AsyncIrisClient(cast(Client, env.client), load_config())
+def _client(env: WorkflowEnvironment, *interceptors: ClientInterceptor) -> AsyncIrisClient:
+    client = cast(Client, env.client)
+    if interceptors:
+        client = Client(
+            **{**client.config(), "interceptors": [*client.config()["interceptors"], *interceptors]}
+        )
+    return AsyncIrisClient(client, load_config())
+
+
+class SeesLongPolls(ClientInterceptor):
+    """Sets ``asked`` when the client asks for a workflow's history by long poll (``wait_new_event``),
+    as ``handle.result()`` does; every call goes on to the server unchanged."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+
+    def intercept_client(self, next: OutboundInterceptor) -> OutboundInterceptor:
+        return _SeesLongPolls(next, self.asked)
+
+
+class _SeesLongPolls(OutboundInterceptor):
+    def __init__(self, next: OutboundInterceptor, asked: asyncio.Event) -> None:
+        super().__init__(next)
+        self.asked = asked
+
+    def fetch_workflow_history_events(
+        self, input: FetchWorkflowHistoryEventsInput
+    ) -> WorkflowHistoryEventAsyncIterator:
+        if input.wait_new_event:
+            self.asked.set()
+        return super().fetch_workflow_history_events(input)
 
 
 async def test_an_ended_job_is_described_and_waited_for_with_no_worker_running(
@@ -95,7 +130,8 @@ async def test_waiting_for_a_job_sends_its_worker_no_query(
     dev_env: WorkflowEnvironment, queries: list[str]
 ) -> None:
     """On the dev server: the Java test server answers a history long poll with an empty page."""
-    client = _client(dev_env)
+    long_polls = SeesLongPolls()
+    client = _client(dev_env, long_polls)
     now = await env_now_ms(dev_env)
     fake = FakeFederation(view=federation_view(now))
     fake.mirror = [ControllerJobState.RUNNING, ControllerJobState.SUCCEEDED]
@@ -103,8 +139,9 @@ async def test_waiting_for_a_job_sends_its_worker_no_query(
     async with _worker(dev_env, fake, queue):
         handle = await start_job(dev_env, gpu_spec("waited", now), queue)
         waiter = asyncio.create_task(client.wait(handle.id, timeout_s=30))
-        await asyncio.sleep(1.5)  # a poll every 0.25 s would have queried six times by now
-        assert not waiter.done()
+        # The waiter waits on the running job by the history's long poll, having queried nothing.
+        await asyncio.wait_for(long_polls.asked.wait(), 30)
+        assert not waiter.done() and queries == []
         await handle.signal(JobWorkflow.place, placement(handle.id))
         st = await asyncio.wait_for(waiter, 20)
 
