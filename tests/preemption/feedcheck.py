@@ -60,7 +60,7 @@ class FeedChecked:
         # two of its steps, and every change since the last look is in the feed.
         while True:
             self.check()
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # not a wait: the checker's sampling period
 
     def state(self, job_id: str) -> S:
         return self.executor.get(job_id).state
