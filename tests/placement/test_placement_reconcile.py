@@ -4,7 +4,6 @@ queued ones by the NOT_FOUND answer to their signal. Against a real Temporal dev
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -14,6 +13,7 @@ from placement_harness import (
     GPU_BACKEND,
     PEER,
     Jobs,
+    eventually,
     gpu_backend,
     gpu_job,
     in_activity,
@@ -65,7 +65,7 @@ def _state(store: FederationStore, job_id: str) -> HandleState:
     return handle.state
 
 
-async def _listed_closed(client: Client, job_ids: list[str], timeout: float = 15.0) -> None:
+async def _listed_closed(client: Client, job_ids: list[str], timeout: float = 60.0) -> None:
     """Wait until visibility lists each job's workflow as closed by one of the abandoning statuses
     (the query ``_reconcile`` makes, narrowed to these ids)."""
     statuses = ", ".join(f"'{s}'" for s in ABANDONING_STATUSES)
@@ -74,13 +74,14 @@ async def _listed_closed(client: Client, job_ids: list[str], timeout: float = 15
         f"WorkflowType = '{contract.JOB_WORKFLOW}' AND ExecutionStatus IN ({statuses})"
         f" AND WorkflowId IN ({ids})"
     )
-    deadline = time.monotonic() + timeout
-    while True:
-        found = {wf.id async for wf in client.list_workflows(query)}
-        if found == {contract.job_workflow_id(j) for j in job_ids}:
-            return
-        assert time.monotonic() < deadline, f"visibility lists {found} of {ids}"
-        await asyncio.sleep(0.1)
+    expected = {contract.job_workflow_id(j) for j in job_ids}
+
+    async def listed() -> set[str]:
+        return {wf.id async for wf in client.list_workflows(query)}
+
+    await eventually(
+        listed, lambda found: found == expected, timeout=timeout, what=f"visibility to list {ids}"
+    )
 
 
 async def _reset_to_first_task(client: Client, job_id: str) -> str:
@@ -119,12 +120,14 @@ async def test_reconcile_abandons_promoted_and_handed_off_jobs_whose_workflow_wa
     await jobs.handle(pending).terminate("from the Web UI")
     await jobs.handle(handed).terminate("from the Web UI")
     acts = tick_activities(config, store)
-    deadline = time.monotonic() + 15
     abandoned = 0
-    while _state(store, pending) is not HandleState.KILLED or _state(store, handed) is not HandleState.KILLED:
-        assert time.monotonic() < deadline, "the terminated jobs' handles were never abandoned"
+
+    async def reconciled() -> bool:
+        nonlocal abandoned
         abandoned += await in_activity(client, acts._reconcile)
-        await asyncio.sleep(0.1)
+        return _state(store, pending) is HandleState.KILLED and _state(store, handed) is HandleState.KILLED
+
+    await eventually(reconciled, bool, timeout=60, what="the terminated jobs' handles to be abandoned")
 
     assert abandoned == 2
     for job_id in (pending, handed):
