@@ -172,7 +172,7 @@ class Race(Generic[P]):
             # and every invariant is judged as for any other iteration. RaceRun bounds how many
             # iterations may miss their stage, so a race that never hits its stages still fails.
             o.missed_stage = True
-        await asyncio.sleep(self.rng.uniform(0, self.jitter_s))
+        await asyncio.sleep(self.rng.uniform(0, self.jitter_s))  # not a wait: the race's random jitter
         try:
             if o.method == "update":
                 # As the CLI sends it: again if the server dropped it with a failed workflow task.
@@ -208,7 +208,7 @@ class Race(Generic[P]):
         try:
             async with asyncio.timeout(self.stage_timeout_s):
                 await self.milestones.event(job_id, "queued").wait()
-            await asyncio.sleep(self.rng.uniform(0, 0.01))
+            await asyncio.sleep(self.rng.uniform(0, 0.01))  # not a wait: the race's random jitter
             await self.place(handle, job_id)
         except TimeoutError:
             pass  # cancelled before it was ever queued

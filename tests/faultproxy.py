@@ -166,7 +166,7 @@ class FaultProxy:
             self.forwarded_launches += 1
         delay = next((d for k, d in self.delays.items() if request_line.startswith(k)), 0.0)
         if delay > 0:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # not a wait: the injected delay
         lose = next((k for k, n in self.lose_replies.items() if n > 0 and request_line.startswith(k)), None)
         try:
             resp = await self._forward(scope, body)

@@ -90,7 +90,7 @@ class StubPeer:
     async def fetch_reports(self) -> FederationView:
         self.reports_started.set()
         if self.report_delay_s:
-            await asyncio.sleep(self.report_delay_s)
+            await asyncio.sleep(self.report_delay_s)  # not a wait: the injected slow report
         now = int(time.time() * 1000)
         gpu = BackendReport(
             backend_id=BACKEND,
@@ -113,7 +113,7 @@ class StubPeer:
     async def launch_job(self, inp: LaunchInput) -> PeerJobStatus:
         job_id = inp.request.job_id
         self.milestones.reach(job_id, "launching")
-        await asyncio.sleep(self.rng.uniform(0, 0.01))
+        await asyncio.sleep(self.rng.uniform(0, 0.01))  # not a wait: the race's random jitter
         self.launches[job_id] += 1
         self.ends_at.setdefault(job_id, time.monotonic() + self.rng.uniform(0.05, 0.25))
         self.milestones.reach(job_id, "running")
@@ -183,7 +183,7 @@ class JitteredStore(StoreActivities):
     async def enqueue_and_tell(self, inp: EnqueueInput) -> JobHandle:
         self.milestones.reach(inp.shape.job_id, "enqueueing")
         if self.enqueue_delay_s:
-            await asyncio.sleep(self.enqueue_delay_s)
+            await asyncio.sleep(self.enqueue_delay_s)  # not a wait: the injected slow enqueue
         handle = await super().enqueue_job(inp)
         self.milestones.reach(inp.shape.job_id, "queued")
         return handle
@@ -191,7 +191,7 @@ class JitteredStore(StoreActivities):
     @activity.defn(name=contract.PROMOTE_JOB)
     async def jittered_promote(self, inp: PromoteInput) -> PromoteResult:
         self.milestones.reach(inp.job_id, "promoting")
-        await asyncio.sleep(self.rng.uniform(0, 0.015))
+        await asyncio.sleep(self.rng.uniform(0, 0.015))  # not a wait: the race's random jitter
         return await super().promote_job(inp)
 
 
