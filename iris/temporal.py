@@ -11,6 +11,11 @@ calls to the server, by ``operation``), and Iris's own ``iris_*`` (iris/metrics.
 and a process that cannot is refused with a one-line ConfigError. No address: no endpoint, the
 SDK's default runtime. benchmarks/running.py reads the slot gauges this way (docs/BENCHMARKS.md,
 "Running jobs (issue 17)").
+
+Every client and worker converts payloads with ``data_converter``: Pydantic models as JSON, then
+encrypted by the payload codec when the process holds the payload key ring (iris/payloadcodec.py;
+docs/DESIGN.md, "Payload encryption"). Tests, benchmarks and scripts that build a client, a test
+environment or a replayer use it too, so every process reads what the others write.
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.converter import (
+    DataConverter,
+    DefaultFailureConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+)
 from temporalio.envconfig import ClientConfig
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
@@ -29,6 +39,23 @@ from temporalio.service import TLSConfig
 from iris import tracing
 from iris.config import ConfigError, FederationConfig, TemporalTLSConfig
 from iris.metrics import HISTOGRAM_BUCKETS
+from iris.payloadcodec import EncryptionCodec, Keyring, load_keyring
+
+
+def data_converter(keyring: Keyring | None = None) -> DataConverter:
+    """The project's one data converter: Pydantic payloads, encrypted with ``keyring``'s current
+    key and decrypted with any of its keys (``load_keyring()`` is this process's own ring).
+    Without a ring nothing is encrypted, payloads without the codec's encoding pass through
+    (histories recorded before encryption keep replaying), and an encrypted payload is refused
+    with a line naming its key. With a ring, failure messages and stack traces are encrypted too
+    (they may quote a job's input)."""
+    return DataConverter(
+        payload_converter_class=PydanticPayloadConverter,
+        payload_codec=EncryptionCodec(keyring),
+        failure_converter_class=(
+            DefaultFailureConverterWithEncodedAttributes if keyring is not None else DefaultFailureConverter
+        ),
+    )
 
 
 def connect_args(config: FederationConfig) -> dict[str, Any]:
@@ -109,7 +136,9 @@ async def connect(
     """A client of the config's Temporal; with ``metrics`` (``HOST:PORT``, else
     ``$IRIS_TEMPORAL_METRICS``) its runtime serves the SDK's Prometheus metrics there, and so does
     every worker built on the client. If tracing is on (iris/tracing.py), the client and its
-    workers trace, and ``service`` names this process in the traces (its first connect decides)."""
+    workers trace, and ``service`` names this process in the traces (its first connect decides).
+    Payloads are encrypted with this process's payload key ring, if it has one (``load_keyring``:
+    ``$IRIS_PAYLOAD_KEYS``, else the user's copy); a bad ring is a ConfigError."""
     args = connect_args(config)
     runtime = metrics_runtime(metrics)
     if runtime is not None:
@@ -118,4 +147,5 @@ async def connect(
     interceptors = tracing.client_interceptors()
     if interceptors:
         args["interceptors"] = interceptors
-    return await Client.connect(args.pop("target_host"), data_converter=pydantic_data_converter, **args)
+    converter = data_converter(load_keyring())
+    return await Client.connect(args.pop("target_host"), data_converter=converter, **args)
