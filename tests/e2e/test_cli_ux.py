@@ -47,6 +47,22 @@ async def job_workflows(stack: Stack) -> int:
     return (await stack.client.count_workflows("WorkflowType = 'JobWorkflow'")).count
 
 
+async def listed_after(stack: Stack, job_id: str) -> None:
+    """Wait until visibility lists ``job_id``'s workflow."""
+
+    async def listed() -> bool:
+        return (await stack.client.count_workflows(f"WorkflowId = '{job_id}'")).count == 1
+
+    await wait_until(listed, timeout=60, what=f"{job_id} in visibility")
+
+
+def job_id_of(dry_run: CliResult) -> str:
+    """The job id a dry run names on its first line (``Job:            <id> (dry run...)``)."""
+    first = dry_run.stdout.splitlines()[0]
+    assert first.startswith("Job:"), dry_run.stdout
+    return first.split()[1]
+
+
 async def state_of(stack: Stack, job_id: str) -> JobState:
     return (await stack.iris.describe(job_id)).state
 
@@ -101,7 +117,7 @@ async def test_list_since_limit_and_output_formats(stack: Stack) -> None:
     assert "CODE" not in table.stdout.splitlines()[0] and newest in table.stdout
 
     # --since: a job started longer ago than that is left out.
-    await asyncio.sleep(3)
+    await asyncio.sleep(3)  # not a wait: real time must pass, the job must be older than --since 2s
     recent = json.loads((await iris(stack, "job", "list", "--since", "2s", "-o", "json")).stdout)
     assert newest not in [r["job_id"] for r in recent]
 
@@ -135,13 +151,15 @@ async def test_queued_jobs_show_their_position_in_list_and_describe(stack: Stack
                 stack, "job", "run", "--no-wait", "--job-name", f"pos-{i}-{tag}", *pinned, "--", "true"
             )
             assert run.code == 0, run.stderr
-            await asyncio.sleep(0.05)  # distinct submit times: the planner's order is theirs
 
         async def both_queued() -> bool:
             states = [await state_of(stack, j) for j in ids[1:]]
             return all(s is JobState.QUEUED_HANDOFF for s in states)
 
         await wait_until(both_queued, timeout=60, what="the other two to queue")
+        # Distinct submit times (one CLI process after the other): the planner's order is theirs.
+        submitted = [(await stack.iris.describe(j)).submit_ms for j in ids[1:]]
+        assert submitted[0] < submitted[1], submitted
 
         listed = await iris(stack, "job", "list", "--state", "QUEUED_HANDOFF", "-o", "json")
         assert listed.code == 0, listed.stderr
@@ -181,6 +199,10 @@ async def test_dry_run_starts_nothing_and_names_each_peers_verdict(stack: Stack,
     home_store = stack.config.home_cluster.object_store
     assert home_store is not None
     home = open_store(home_store)
+    # Visibility lags a start: the count is read once a job started now is listed.
+    await listed_after(
+        stack, await stack.iris.submit(["true"], name=f"before-dry-run-{secrets.token_hex(3)}")
+    )
     before = await job_workflows(stack)
 
     dry = await iris(
@@ -213,9 +235,12 @@ async def test_dry_run_starts_nothing_and_names_each_peers_verdict(stack: Stack,
     assert rejected.code == 2, rejected
     assert "Classification: reject" in rejected.stdout and "Would:          be rejected" in rejected.stdout
 
-    # Nothing started, nothing stored (visibility is eventually consistent: give it time to show one).
-    await asyncio.sleep(2)
-    assert await job_workflows(stack) == before
+    # Nothing started, nothing stored: read once a job started after both dry runs is listed, so
+    # visibility has caught up with anything they would have started.
+    await listed_after(stack, await stack.iris.submit(["true"], name=f"after-dry-run-{secrets.token_hex(3)}"))
+    for job_id in (job_id_of(dry), job_id_of(rejected)):
+        assert (await stack.client.count_workflows(f"WorkflowId = '{job_id}'")).count == 0, job_id
+    assert await job_workflows(stack) == before + 1
     assert not await asyncio.to_thread(home.exists, home_key(bundle.ref.sha256))
 
 

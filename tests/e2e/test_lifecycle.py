@@ -242,7 +242,7 @@ async def test_cancel_racing_promotion_never_delivers_a_cancelled_job(stack: Sta
     outcomes = {"won": 0, "lost": 0}
     for i in range(12):
         job_id = await stack.iris.submit(["sleep", "30"], name=f"race-{i}", target_cluster="cw-us-east-02a")
-        await asyncio.sleep(rng.uniform(0, 0.4))  # the race itself: cancel lands anywhere in the lifecycle
+        await asyncio.sleep(rng.uniform(0, 0.4))  # not a wait: the race's jitter, the cancel lands anywhere
         outcome = await stack.iris.cancel_and_report(job_id)
         final = await stack.iris.wait(job_id, timeout_s=60)
         assert final.terminal
@@ -363,7 +363,12 @@ async def test_the_logs_of_a_running_job_are_current_without_following(stack: St
     )
     try:
         await wait_state(stack, job_id, JobState.RUNNING)
-        await asyncio.sleep(2)  # both lines written on the peer
+
+        async def both_lines_on_the_peer() -> bool:
+            async with ControllerClient.for_cluster(stack.config, "cw-us-east-02a") as peer:
+                return "later\n" in (await peer.logs(job_id)).data
+
+        await wait_until(both_lines_on_the_peer, timeout=60, what="both lines written on the peer")
         res = await stack.cli("job", "logs", job_id)
         assert res.code == 0, res.stderr
         assert res.stdout.splitlines() == ["early", "later"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from stack import Stack, wait_until
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import ActivityEnvironment
 
@@ -178,11 +179,21 @@ async def test_handoff_refused(stack: Stack) -> None:
 
 @pytest.fixture
 async def paused_manager(stack: Stack) -> AsyncIterator[None]:
-    """The placement manager stopped for the test (its ticks are the test's), started again after."""
+    """The placement manager stopped for the test (its ticks are the test's), started again after.
+
+    Stopped between two ticks: a tick the manager had begun would go on on the worker after the
+    termination, concurrently with the test's. Its history says whether one was in flight (every
+    activity it scheduled has closed, or not); if one was, the manager is started and stopped again.
+    """
     handle = stack.client.get_workflow_handle(contract.manager_workflow_id(stack.config.temporal.task_queue))
-    await handle.terminate(reason="tests/e2e/test_reason_codes.py runs the ticks itself")
-    await wait_until(lambda: _closed(handle), timeout=30, what="the placement manager to stop")
-    await asyncio.sleep(2.0)  # a tick it had begun finishes (heartbeat timeout 5 s, a tick ~0.1 s)
+    for _ in range(20):
+        await handle.terminate(reason="tests/e2e/test_reason_codes.py runs the ticks itself")
+        await wait_until(lambda: _closed(handle), timeout=30, what="the placement manager to stop")
+        if not await _activities_in_flight(handle):
+            break
+        await ensure_manager(stack.client, stack.config)
+    else:
+        raise AssertionError("the placement manager was stopped during a tick 20 times in a row")
     try:
         yield
     finally:
@@ -191,6 +202,26 @@ async def paused_manager(stack: Stack) -> AsyncIterator[None]:
 
 async def _closed(handle: Any) -> bool:
     return (await handle.describe()).status is not WorkflowExecutionStatus.RUNNING
+
+
+# How an activity's scheduling closes in a history, once its worker is done with it (a timeout
+# closes it on the server while the worker may still run it: counted as in flight).
+_ACTIVITY_DONE = {
+    EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED: "activity_task_completed_event_attributes",
+    EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED: "activity_task_failed_event_attributes",
+    EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED: "activity_task_canceled_event_attributes",
+}
+
+
+async def _activities_in_flight(handle: Any) -> set[int]:
+    """The scheduled-event ids of the activities the (closed) workflow left unfinished."""
+    scheduled: set[int] = set()
+    async for event in handle.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled.add(event.event_id)
+        elif event.event_type in _ACTIVITY_DONE:
+            scheduled.discard(getattr(event, _ACTIVITY_DONE[event.event_type]).scheduled_event_id)
+    return scheduled
 
 
 async def tick(stack: Stack, config: FederationConfig | None = None) -> TickOutcome:
