@@ -46,7 +46,7 @@ async def _serve(cfg: FederationConfig, data_dir: Path, metrics: list[devstack.M
     from iris import devstack, tracing
     from iris.config import store_url
     from iris.store import FederationStore
-    from iris.temporal import connect
+    from iris.temporal import connect, payload_encryption
     from worker.main import build_worker, ensure_manager
 
     stop = asyncio.Event()
@@ -65,6 +65,7 @@ async def _serve(cfg: FederationConfig, data_dir: Path, metrics: list[devstack.M
             typer.echo(f"{'federation store':<28} {url}")
             tick = f"placement tick every {cfg.tick_interval_s}s"
             typer.echo(f"{'worker':<28} task queue {cfg.temporal.task_queue}, {tick}")
+            typer.echo(f"{'':<28} {payload_encryption(client) or 'payloads NOT encrypted'}")
             # Every metrics endpoint, and a Prometheus config scraping them (docs/DESIGN.md, "Metrics").
             for i, target in enumerate(metrics):
                 typer.echo(f"{'metrics (Prometheus)' if i == 0 else '':<28} {target.url:<32} {target.name}")
@@ -148,8 +149,9 @@ def dev_command(
     from iris.client import current_user
     from iris.config import CONFIG_ENV, ConfigError, config_path
     from iris.controller.identity import KEY_DIR_ENV
-    from iris.keydirs import provision_key_dirs
-    from iris.userauth import register_user
+    from iris.keydirs import ensure_payload_keys, provision_key_dirs
+    from iris.payloadcodec import KEYRING_NAME, PAYLOAD_KEYS_ENV, install_keyring, read_keyring
+    from iris.userauth import register_user, user_key_dir
 
     if ray and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
         common.STATE.config_file = RAY_CONFIG
@@ -192,8 +194,13 @@ def dev_command(
             common.EXIT_UNAVAILABLE,
         )
     _STOP.install()
+    # Everything the stack writes (databases, logs, keys, emulators' files) is this user's alone:
+    # new files 0600 and directories 0700, in every service started from here; and the data
+    # directory 0700, with what an older version left readable tightened (docs/SECURITY.md,
+    # "Payload encryption").
+    os.umask(0o077)
     data_dir = data_dir.resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    devstack.harden_data_dir(data_dir)
     # This process hosts the worker: the home cluster's credentials only (each controller gets its own).
     os.environ.update(devstack.store_credentials(cfg, cfg.home))
     # Each cluster's signing key pair, created on first start in that cluster's own directory
@@ -202,6 +209,15 @@ def dev_command(
     key_dirs = provision_key_dirs(cfg, data_dir / "keys")
     created, key_dir = key_dirs.created, key_dirs.of(cfg.home)
     os.environ[KEY_DIR_ENV] = str(key_dir)
+    # The payload key ring (docs/SECURITY.md, "Payload encryption"): this process's worker reads
+    # it; the user's CLI gets a copy in its own ring, beside the user key; no controller gets it.
+    try:
+        payload_keys, payload_created = ensure_payload_keys(cfg, data_dir / "keys")
+        own_ring = user_key_dir() / KEYRING_NAME
+        install_keyring(own_ring, read_keyring(payload_keys))
+    except ConfigError as exc:
+        common.fail(str(exc), common.EXIT_INVALID)
+    os.environ[PAYLOAD_KEYS_ENV] = str(payload_keys)
     # The user's signing key, created on first start and registered (admin) in this stack's config,
     # so `iris job run` works at once with verification on (docs/DESIGN.md, "User → home").
     user_key, _, user_key_created = register_user(cfg, current_user(), ["admin"])
@@ -227,6 +243,8 @@ def dev_command(
         typer.echo(f"{made} the user key of {current_user()} (admin): {user_key}")
         if created:
             typer.echo(f"generated cluster keys for {', '.join(created)} in {key_dirs.root}/<cluster>")
+        made = "created" if payload_created else "using"
+        typer.echo(f"{made} the payload key ring {payload_keys} (your CLI's copy: {own_ring})")
         for svc in services:
             started.append(svc)  # first: a signal between the two must still stop it
             svc.start()

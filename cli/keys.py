@@ -1,4 +1,5 @@
-"""`iris keys ...`: a cluster's signing identity (docs/DESIGN.md, "Where secrets live")."""
+"""`iris keys ...`: a cluster's signing identity (docs/DESIGN.md, "Where secrets live") and the
+payload key ring (docs/SECURITY.md, "Payload encryption")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import typer
 
 from cli import common
 
-keys_app = typer.Typer(help="Create the Ed25519 key pairs clusters sign handoffs with.", no_args_is_help=True)
+keys_app = typer.Typer(
+    help="Create the Ed25519 key pairs clusters sign handoffs with, and the payload key ring.",
+    no_args_is_help=True,
+)
 
 KeyDir = Annotated[
     Path | None,
@@ -48,19 +52,83 @@ def ensure_command(
         ),
     ] = False,
 ) -> None:
-    """Create every missing key pair the federation config names."""
+    """Create every missing key pair the federation config names, and the payload key ring
+    (DIR/payload/payload.keys: for the worker; never mount it into a controller)."""
+    from iris.config import ConfigError
     from iris.controller.identity import default_key_dir, ensure_cluster_keys
-    from iris.keydirs import provision_key_dirs
+    from iris.keydirs import ensure_payload_keys, provision_key_dirs
 
     key_dir = dir or default_key_dir()
-    if per_cluster:
-        dirs = provision_key_dirs(common.config(), key_dir)
-        created = dirs.created
-        for name, path in dirs.dirs.items():
-            typer.echo(f"{name}: {path}")
-    else:
-        created = ensure_cluster_keys(common.config(), key_dir)
+    cfg = common.config()
+    try:
+        if per_cluster:
+            dirs = provision_key_dirs(cfg, key_dir)
+            created = dirs.created
+            for name, path in dirs.dirs.items():
+                typer.echo(f"{name}: {path}")
+        else:
+            created = ensure_cluster_keys(cfg, key_dir)
+        ring, ring_created = ensure_payload_keys(cfg, key_dir)
+    except ConfigError as exc:
+        common.fail(str(exc), common.EXIT_INVALID)
     typer.echo(f"created keys for: {', '.join(created)}" if created else f"all keys present in {key_dir}")
+    typer.echo(f"payload key ring: {ring}{' (created)' if ring_created else ''}")
+
+
+@keys_app.command("payload")
+def payload_command(
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file",
+            help="The ring (default: DIR/payload/payload.keys with --dir, else $IRIS_PAYLOAD_KEYS, "
+            "else your own: payload.keys in the user key directory).",
+        ),
+    ] = None,
+    dir: Annotated[
+        Path | None, typer.Option("--dir", help="A key directory, as `iris keys ensure --dir` makes.")
+    ] = None,
+    rotate: Annotated[
+        bool,
+        typer.Option("--rotate", help="Add a new current key; the older ones still decrypt."),
+    ] = False,
+    install: Annotated[
+        bool,
+        typer.Option(
+            "--install",
+            help="Also merge the ring into your own, which this CLI reads (its current key current).",
+        ),
+    ] = False,
+) -> None:
+    """Create the payload key ring if absent (0600) and list its key ids, never the keys. The
+    worker and every client encrypt job payloads in Temporal with its last key and decrypt with
+    any of them; each needs the same ring (docs/SECURITY.md, "Payload encryption")."""
+    from iris.config import ConfigError
+    from iris.keydirs import payload_keyring_file
+    from iris.payloadcodec import KEYRING_NAME, ensure_keyring, install_keyring, keyring_path, rotate_keyring
+    from iris.userauth import user_key_dir
+
+    if file is not None and dir is not None:
+        common.fail("give --file or --dir, not both", common.EXIT_INVALID)
+    path = file or (payload_keyring_file(dir) if dir is not None else keyring_path())
+    try:
+        ring, created = ensure_keyring(path)
+        if rotate:
+            ring = rotate_keyring(path)
+        own = user_key_dir() / KEYRING_NAME
+        if install and own.resolve() != path.resolve():
+            install_keyring(own, ring)
+    except ConfigError as exc:
+        common.fail(str(exc), common.EXIT_INVALID)
+    except OSError as exc:
+        common.fail(f"cannot write {exc.filename}: {exc.strerror}", common.EXIT_INVALID)
+    typer.echo(f"{'created' if created else 'existing'} ring: {path}")
+    for key_id in ring.ids:
+        typer.echo(f"  {key_id}{'  (current: encrypts)' if key_id == ring.current else ''}")
+    if rotate:
+        typer.echo("rotated: restart the workers, then give every client the new ring")
+    if install:
+        typer.echo(f"installed in your ring: {own}")
 
 
 @keys_app.command("user")

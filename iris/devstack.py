@@ -31,6 +31,7 @@ from iris.controller.identity import KEY_DIR_ENV
 from iris.defaults import DEFAULT_TEMPORAL_METRICS_PORT as DEFAULT_TEMPORAL_METRICS_PORT
 from iris.defaults import DEFAULT_WORKER_METRICS as DEFAULT_WORKER_METRICS
 from iris.objectstore import open_store
+from iris.payloadcodec import PAYLOAD_KEYS_ENV
 
 
 class ServiceError(RuntimeError):
@@ -179,6 +180,22 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
 
 
+def harden_data_dir(data_dir: Path) -> None:
+    """The data directory 0700 (created if absent), and what an older, laxer version left in it
+    tightened: its logs, databases and configs 0600, the logs directory 0700 (docs/SECURITY.md,
+    "Payload encryption"). New files are owner-only by `iris dev`'s umask; a controller keeps
+    its own state directory's modes (iris/controller/privileges.py)."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(data_dir, 0o700)
+    logs = data_dir / "logs"
+    if logs.is_dir():
+        os.chmod(logs, 0o700)
+    for pattern in ("logs/*", "temporal.db*", "federation.db*", "*.yml", "*.json"):
+        for path in data_dir.glob(pattern):
+            if path.is_file() and not path.is_symlink():
+                os.chmod(path, 0o600)
+
+
 def temporal_server(
     config: FederationConfig, data_dir: Path, *, db_file: Path | None, metrics_port: int | None = None
 ) -> ManagedProcess:
@@ -301,7 +318,9 @@ def controller(
         # Its own store's credentials, and no other cluster's, even if this process holds some
         # (docs/DESIGN.md, "Credentials").
         env=env,
-        unset_env=sorted(set(credential_env_names(config)) - set(env)),
+        # ...nor the payload key ring: histories are the worker's to read (docs/SECURITY.md,
+        # "Payload encryption").
+        unset_env=sorted((set(credential_env_names(config)) | {PAYLOAD_KEYS_ENV}) - set(env)),
     )
 
 

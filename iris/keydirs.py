@@ -9,6 +9,9 @@ federation config serves every process.
 A pair is created in its cluster's own directory; only the public half is copied to the others.
 A flat directory from an earlier layout (``DIR/<cluster>.key``) is moved into place, so a cluster
 keeps its identity.
+
+``DIR/payload/payload.keys`` is the federation's payload key ring (iris/payloadcodec.py; docs/SECURITY.md,
+"Payload encryption"): the worker's, never a controller's; ``ensure_payload_keys`` creates it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iris.config import FederationConfig
+from iris.config import ConfigError, FederationConfig
 from iris.controller.identity import write_keypair
+from iris.payloadcodec import KEYRING_NAME, ensure_keyring
+
+# The payload key ring's directory under a key root, beside the clusters' own directories.
+PAYLOAD_DIR = "payload"
 
 
 @dataclass
@@ -87,3 +94,19 @@ def provision_key_dirs(config: FederationConfig, root: Path) -> KeyDirs:
                 if name != own_public:
                     _write_if_changed(result.dirs[cluster.name] / name, pem)
     return result
+
+
+def payload_keyring_file(root: Path) -> Path:
+    """Where the payload key ring of a key root is: ``root/payload/payload.keys``."""
+    return root / PAYLOAD_DIR / KEYRING_NAME
+
+
+def ensure_payload_keys(config: FederationConfig, root: Path) -> tuple[Path, bool]:
+    """The payload key ring under ``root`` (0600 in a 0700 directory), created with one key if
+    absent; and whether it was created. Its directory is no cluster's (a cluster named like it
+    would share it: refused)."""
+    if PAYLOAD_DIR in config.cluster_names:
+        raise ConfigError(f"a cluster named {PAYLOAD_DIR!r} would share the payload key ring's directory")
+    path = payload_keyring_file(root)
+    _, created = ensure_keyring(path)
+    return path, created

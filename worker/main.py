@@ -23,8 +23,9 @@ from iris import tracing
 from iris.config import DEFAULT_DATA_DIR, FederationConfig, store_url
 from iris.contract import PLACEMENT_MANAGER, manager_workflow_id, peer_watch_workflow_id, placement_task_queue
 from iris.logrelay import LogRelay
+from iris.payloadcodec import PAYLOAD_KEYS_ENV
 from iris.store import FederationStore
-from iris.temporal import connect
+from iris.temporal import connect, payload_encryption
 from workflows.job import JobWorkflow
 from workflows.peers import ListPeersWorkflow
 from workflows.placement import ManagerInput, PlacementManager
@@ -203,6 +204,15 @@ async def run_worker(
     ``$IRIS_TEMPORAL_METRICS``) the SDK's and Iris's worker metrics are served there for Prometheus
     (docs/DESIGN.md, "Metrics")."""
     client = await connect(config, metrics=metrics_address, service=tracing.WORKER_SERVICE)
+    encryption = payload_encryption(client)
+    if encryption is None:
+        log.warning(
+            "no payload key ring ($%s): job payloads (command, env) are stored in Temporal's histories "
+            'in plain text (docs/SECURITY.md, "Payload encryption")',
+            PAYLOAD_KEYS_ENV,
+        )
+    else:
+        log.info("%s", encryption)
     data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start
     store = FederationStore(store_url(config, data_dir))
     try:
