@@ -130,6 +130,16 @@ def metrics_runtime(address: str | None = None) -> Runtime | None:
         raise ConfigError(f"{named}: {exc}") from None
 
 
+def payload_encryption(client: Client) -> str | None:
+    """One line saying how ``client`` (and every worker built on it) encrypts payloads, or None
+    when it does not: no payload key ring (docs/SECURITY.md, "Payload encryption")."""
+    codec = client.data_converter.payload_codec
+    ring = codec.keyring if isinstance(codec, EncryptionCodec) else None
+    if ring is None:
+        return None
+    return f"payloads encrypted with key {ring.current} ({len(ring.ids)} key(s) decrypt)"
+
+
 async def connect(
     config: FederationConfig, *, metrics: str | None = None, service: str = tracing.CLIENT_SERVICE
 ) -> Client:
