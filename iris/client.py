@@ -214,6 +214,8 @@ def build_spec(
     environment, e.g. its virtualenv). Name another interpreter to choose it (``python3.12
     train.py``).
     """
+    from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
+
     if isinstance(command, str | bytes) or not all(isinstance(a, str) for a in command):
         raise InvalidJob("command must be a list of strings, e.g. ['python', 'train.py']")
     cmd = list(command)
@@ -267,8 +269,6 @@ def build_spec(
             constraints.append(Constraint(key=key, op=Op.EQ, values=(value.strip().lower(),)))
     if preemptible is not None:
         constraints.append(Constraint(key="preemptible", op=Op.EQ, values=(str(preemptible).lower(),)))
-    from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
-
     if isinstance(artifacts, str) or len(artifacts) > MAX_ARTIFACTS:
         raise InvalidJob(f"artifacts must be a list of at most {MAX_ARTIFACTS} URIs")
     for uri in artifacts:
