@@ -103,6 +103,20 @@ PROJ_PEERS = 50
 # ---- the gate ----------------------------------------------------------------------------------
 
 
+# A sandboxed job has a private /tmp, /var/tmp and /dev/shm (docs/SECURITY.md, "The job sandbox"):
+# the gate lives elsewhere, and its cluster shows the job its directory, read-only.
+SANDBOX_PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def gate_parent() -> str | None:
+    """Where the gate's directory is made: outside the sandbox's private paths when this process
+    can write there (/run as root, else $XDG_RUNTIME_DIR), else the temp directory."""
+    for parent in ("/run", os.environ.get("XDG_RUNTIME_DIR", "")):
+        if parent and not parent.startswith(SANDBOX_PRIVATE) and os.access(parent, os.W_OK | os.X_OK):
+            return parent
+    return None
+
+
 class Gate:
     """A FIFO the held jobs block on (``read x < GATE``): this process holds it open for writing,
     so a job's ``open`` returns and its ``read`` waits, at no CPU, until the FIFO's last writer
@@ -111,7 +125,7 @@ class Gate:
     controller runs them as ``run_as``, docs/SECURITY.md)."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="iris-bench-gate-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="iris-bench-gate-", dir=gate_parent()))
         self.dir.chmod(0o755)
         self.path = self.dir / "gate"
         os.mkfifo(self.path)
@@ -361,9 +375,9 @@ class Fresh:
     state: str
 
 
-def configure(args: argparse.Namespace, n: int) -> tuple[Callable[[FederationConfig], None], int]:
-    """The demo topology with room for N on the two peers (and the fresh jobs); (the stack's
-    configure step, H100 slots per peer)."""
+def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[FederationConfig], None], int]:
+    """The demo topology with room for N on the two peers (and the fresh jobs), its sandboxed
+    jobs shown the gate; (the stack's configure step, H100 slots per peer)."""
     slots = args.peer_slots or math.ceil((n + 4 * args.fresh + 8) / 2)
 
     def apply(cfg: FederationConfig) -> None:
@@ -373,6 +387,10 @@ def configure(args: argparse.Namespace, n: int) -> tuple[Callable[[FederationCon
                     b.devices = {t: slots for t in b.devices}
         if args.max_per_peer is not None:
             cfg.max_per_peer_per_tick = args.max_per_peer if args.max_per_peer > 0 else None
+        for c in cfg.clusters:
+            # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
+            if "sandbox_ro_paths" in type(c).model_fields:
+                c.sandbox_ro_paths = [*c.sandbox_ro_paths, str(gate.dir)]
 
     return apply, slots
 
@@ -486,7 +504,7 @@ async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dic
     root = Path(tempfile.mkdtemp(prefix="iris-bench-running-"))
     stack = BenchStack(root)
     gate = Gate()
-    apply, slots = configure(args, n)
+    apply, slots = configure(args, n, gate)
     out: dict[str, Any] = {"jobs": n, "peer_slots": slots}
     print(f"\n[{time.strftime('%X')}] N={n}: stack in {root} ({uptime_line()})", flush=True)
     samples: list[Sample] = []
@@ -1129,11 +1147,11 @@ def main() -> None:
         "hold_s": 2,
         "settle_s": 0,
         "fresh": 1,
-        "fresh_timeout": 30,
         "spread_s": 2,
-        "plateau_s": 10,
-        "ramp_timeout": 60,
-        "drain_timeout": 60,
+        # The ramp ends as soon as all 4 run: a long plateau only waits for a busy machine.
+        "plateau_s": 60,
+        "ramp_timeout": 120,
+        "drain_timeout": 120,
         "result_sample": 4,
         "history_sample": 2,
         "sample_interval": 0.5,
