@@ -25,7 +25,6 @@ from datetime import timedelta
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Worker
 
 with workflow.unsafe.imports_passed_through():
@@ -110,7 +109,10 @@ class Ticker:
 
 
 async def serve(address: str, task_queue: str, max_concurrent_activities: int) -> None:
-    client = await Client.connect(address, data_converter=pydantic_data_converter)
+    from iris.payloadcodec import load_keyring
+    from iris.temporal import data_converter
+
+    client = await Client.connect(address, data_converter=data_converter(load_keyring()))
     ticker = Ticker(client)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -40,7 +40,6 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.placement import TickOutcome
 from benchmarks.ceiling import CEILING_WORKFLOW, CeilingInput
@@ -277,7 +276,7 @@ async def manager_ticks(stack: BenchStack, since_ms: int, until_ms: int) -> list
                 continue
             payloads = e.activity_task_completed_event_attributes.result.payloads
             if payloads:
-                (tick,) = pydantic_data_converter.payload_converter.from_payloads(payloads, [TickOutcome])
+                (tick,) = await stack.client.data_converter.decode(payloads, [TickOutcome])
                 ticks.append(tick)
     return ticks
 

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from activities.placement import TickOutcome
@@ -37,6 +36,8 @@ from iris import devstack
 from iris.config import FederationConfig, load_config
 from iris.contract import SEARCH_ATTRIBUTE_KEYS, manager_workflow_id
 from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
+from iris.payloadcodec import load_keyring
+from iris.temporal import data_converter
 from workflows.placement import PlacementManager
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -498,7 +499,7 @@ class BenchStack:
         self.env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
-            data_converter=pydantic_data_converter,
+            data_converter=data_converter(load_keyring()),
             dev_server_startup_timeout=timedelta(seconds=60),
             dev_server_log_level="error",
             dev_server_extra_args=extra,

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.api.enums.v1 import EventType
-from temporalio.contrib.pydantic import pydantic_data_converter
 
 from activities.placement import TickOutcome
 from benchmarks.harness import (
@@ -114,7 +113,7 @@ async def manager_runs(stack: BenchStack) -> tuple[list[ManagerRun], list[tuple[
             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
                 payloads = e.activity_task_completed_event_attributes.result.payloads
                 if payloads:
-                    (tick,) = pydantic_data_converter.payload_converter.from_payloads(payloads, [TickOutcome])
+                    (tick,) = await stack.client.data_converter.decode(payloads, [TickOutcome])
                     ticks.append((e.event_time.ToMilliseconds(), tick))
                     n_ticks += 1
         events = history.events

@@ -15,7 +15,6 @@ from typing import Annotated
 
 import typer
 from temporalio.client import Client, WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Replayer
@@ -24,8 +23,10 @@ from temporalio.workflow import NondeterminismError
 from cli import common
 from iris import contract
 from iris.client import InvalidJob, Unavailable
+from iris.config import ConfigError
 from iris.contract import JOB_WORKFLOW
-from iris.temporal import connect
+from iris.payloadcodec import load_keyring
+from iris.temporal import connect, data_converter
 
 determinism_app = typer.Typer(add_completion=False)
 
@@ -38,7 +39,8 @@ EXIT_NOT_REPLAYABLE = 1
 
 
 def replayer() -> Replayer:
-    """A replayer of every workflow the worker runs, with the worker's data converter.
+    """A replayer of every workflow the worker runs, with the worker's data converter (and this
+    process's payload key ring: live histories are encrypted).
 
     Its own runtime logs nothing: the SDK core would print each nondeterminism as a warning on
     stdout, and the report already says it once, in one line.
@@ -49,7 +51,7 @@ def replayer() -> Replayer:
     quiet = Runtime(telemetry=TelemetryConfig(logging=None))
     return Replayer(
         workflows=list(WORKFLOWS),
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(load_keyring()),
         runtime=quiet,
         workflow_runner=workflow_runner(),
     )
@@ -173,6 +175,8 @@ def check_determinism_command(
         cfg = common.config()
         try:
             client = await connect(cfg)
+        except ConfigError as exc:  # e.g. an unreadable payload key ring
+            raise InvalidJob(str(exc)) from None
         except RuntimeError as exc:
             raise Unavailable(f"cannot reach Temporal at {cfg.temporal.address}: {exc}") from None
         report = await check_determinism(client, query, limit)

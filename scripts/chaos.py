@@ -65,7 +65,6 @@ from typing import Any, TypeVar
 
 from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 from temporalio.client import Client, WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import RPCError
 
@@ -79,8 +78,10 @@ from iris.controller.models import ControllerJobState
 from iris.controller.models import JobStatus as PeerJobStatus
 from iris.jobs import AttemptEnd, JobState, JobStatus
 from iris.keydirs import provision_key_dirs
+from iris.payloadcodec import load_keyring
 from iris.policy.models import Reservation
 from iris.store import FederationStore, Fence, JobHandle
+from iris.temporal import data_converter
 from iris.userauth import USER_KEY_DIR_ENV, register_user
 
 T = TypeVar("T")
@@ -287,7 +288,7 @@ async def start_stack(root: Path, options: Options) -> ChaosStack:
         # A runtime that logs nothing: the SDK would print every reconnect attempt during the restart.
         quiet = Runtime(telemetry=TelemetryConfig(logging=None))
         stack.client = await Client.connect(
-            cfg.temporal.address, data_converter=pydantic_data_converter, runtime=quiet
+            cfg.temporal.address, data_converter=data_converter(load_keyring()), runtime=quiet
         )
         stack.start_worker()
     except BaseException:

@@ -54,7 +54,7 @@ POSITIONS = f"""
 import asyncio, json, os, sys
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
+from iris.temporal import data_converter
 
 from iris.client import AsyncIrisClient, JobSummary
 from iris.config import load_config
@@ -62,7 +62,7 @@ from iris.config import load_config
 
 async def main():
     temporal = await Client.connect(
-        os.environ["TEMPORAL_ADDRESS"], lazy=True, data_converter=pydantic_data_converter
+        os.environ["TEMPORAL_ADDRESS"], lazy=True, data_converter=data_converter()
     )
     client = AsyncIrisClient(temporal, load_config())
     row = JobSummary(

@@ -30,7 +30,6 @@ from controller_harness import (
 )
 from temporalio import workflow
 from temporalio.client import WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
@@ -39,6 +38,7 @@ from iris import contract, devstack
 from iris.config import load_config
 from iris.controller.models import ControllerJobState as S
 from iris.controller.models import JobStatus
+from iris.temporal import data_converter
 from workflows.watch import PeerWatch, WatcherInput
 
 
@@ -70,7 +70,7 @@ async def env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(devstack.venv_bin("temporal")),
         search_attributes=contract.SEARCH_ATTRIBUTE_KEYS,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         dev_server_startup_timeout=timedelta(seconds=60),
     )
     try:

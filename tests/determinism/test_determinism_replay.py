@@ -8,6 +8,10 @@ break every run in flight at deploy time. Regenerate them (one command) when the
 ``v1-*.json`` were recorded before ``LOCAL_STEPS_PATCH`` (issue 9: store steps as local
 activities, upserts only on change): runs started then take the unpatched branches, and these keep
 those branches replayable for as long as the code carries them. The recorder never overwrites them.
+
+They were recorded without payload encryption, and replay with the worker's converter holding a
+payload key ring (docs/SECURITY.md, "Payload encryption"): payloads without the codec's encoding
+pass through it, so histories from before encryption keep replaying.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from cli.ops import replay_histories, workflow_type_of
+from iris.payloadcodec import Keyring
+from iris.temporal import data_converter
 from workflows.job import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
@@ -134,7 +139,8 @@ async def test_committed_history_replays_against_the_current_code(path: Path) ->
     history = load(path)
     replayer = Replayer(
         workflows=[JobWorkflow, PlacementManager, PeerWatch],
-        data_converter=pydantic_data_converter,
+        # A worker's converter with keys: the plain recorded payloads pass through its codec.
+        data_converter=data_converter(Keyring.generate()),
         workflow_runner=workflow_runner(),
     )
     result = await replayer.replay_workflow(history, raise_on_replay_failure=False)

@@ -11,11 +11,11 @@ from collections import Counter
 from pathlib import Path
 
 from stack import Stack
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
 from iris.contract import job_workflow_id
 from iris.jobs import JobState
+from iris.temporal import data_converter
 from workflows.job import JobWorkflow
 from workflows.runner import workflow_runner
 
@@ -35,7 +35,7 @@ async def test_a_burst_of_cpu_jobs_never_waits_at_home_while_a_peer_has_room(sta
     # Checked first, so that a wait that failed on a replay (a query of a job its worker no
     # longer holds replays it) leaves the history behind to read.
     replayer = Replayer(
-        workflows=[JobWorkflow], workflow_runner=workflow_runner(), data_converter=pydantic_data_converter
+        workflows=[JobWorkflow], workflow_runner=workflow_runner(), data_converter=data_converter()
     )
     failed = []
     for job_id in ids:

@@ -32,7 +32,6 @@ from stack import CONFIGS, VENV_BIN, free_port_config, wait_until
 from temporalio.api.common.v1 import Header, Payload, Payloads, WorkflowExecution
 from temporalio.api.workflowservice.v1 import SignalWorkflowExecutionRequest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from iris import contract, devstack, tracing
@@ -45,7 +44,7 @@ from iris.jobs import JobState
 from iris.keydirs import provision_key_dirs
 from iris.objectstore import open_store
 from iris.store import FederationStore
-from iris.temporal import connect
+from iris.temporal import connect, data_converter
 from iris.userauth import USER_KEY_DIR_ENV, register_user
 from worker.main import build_worker, ensure_manager
 
@@ -99,7 +98,7 @@ async def traced(tmp_path_factory: pytest.TempPathFactory, stack_keys: Path) -> 
         env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
-            data_converter=pydantic_data_converter,
+            data_converter=data_converter(),
             dev_server_startup_timeout=timedelta(seconds=60),
         )
         cfg = free_port_config(load_config(CONFIGS["process"]), env.client.service_client.config.target_host)

@@ -50,7 +50,6 @@ from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from iris import contract, devstack
@@ -64,6 +63,7 @@ from iris.controller.models import JobStatus as PeerJobStatus
 from iris.jobs import JobState, JobStatus
 from iris.policy.models import Band, Placement
 from iris.store import FederationStore, HandleState
+from iris.temporal import data_converter
 from workflows.placement import PlacementManager
 
 T = TypeVar("T")
@@ -184,7 +184,7 @@ async def two_workers(stack: Stack, tmp_path_factory: pytest.TempPathFactory) ->
         env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
-            data_converter=pydantic_data_converter,
+            data_converter=data_converter(),
             dev_server_startup_timeout=timedelta(seconds=60),
             dev_server_log_level="error",
         )

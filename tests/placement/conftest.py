@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from placement_harness import PEER, Controller, Jobs, StandInJob, federation_config
 from served import served
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -20,6 +19,7 @@ from iris.config import FederationConfig
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.app import create_app
 from iris.store import FederationStore
+from iris.temporal import data_converter
 
 
 @pytest.fixture(scope="package")
@@ -29,7 +29,7 @@ async def temporal() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(devstack.venv_bin("temporal")),
         search_attributes=SEARCH_ATTRIBUTE_KEYS,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         dev_server_startup_timeout=timedelta(seconds=60),
     )
     try:

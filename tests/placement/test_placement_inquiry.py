@@ -18,7 +18,6 @@ import pytest
 from placement_harness import GPU_ATTRS, HOME, eventually, unreachable
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
@@ -42,6 +41,7 @@ from iris.policy.models import (
 from iris.policy.queue import DryRun, Outlook, dry_run, queue_positions
 from iris.policy.reasons import ReasonCode
 from iris.store import FederationStore, HandleState, JobHandle
+from iris.temporal import data_converter
 from workflows.placement import ManagerInput, PlacementManager
 from workflows.runner import workflow_runner
 
@@ -367,7 +367,7 @@ async def test_the_manager_continues_as_new_after_its_inquiries_with_every_one_a
     replayer = Replayer(
         workflows=[PlacementManager],
         workflow_runner=workflow_runner(),
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
     )
     await replayer.replay_workflow(history, raise_on_replay_failure=True)
     # And the new run answers too.

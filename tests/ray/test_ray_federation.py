@@ -21,7 +21,6 @@ import pytest
 from ray.job_submission import JobStatus as RayStatus
 from ray.job_submission import JobSubmissionClient
 from ray_harness import ray_backend
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from iris import devstack
@@ -37,6 +36,7 @@ from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.executors.ray_jobs import submission_id
 from iris.jobs import JobState
 from iris.store import FederationStore
+from iris.temporal import data_converter
 from iris.userauth import USER_KEY_DIR_ENV, register_user
 from worker.main import build_worker, ensure_manager
 
@@ -93,7 +93,7 @@ async def ray_federation(
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(devstack.venv_bin("temporal")),
         search_attributes=SEARCH_ATTRIBUTE_KEYS,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         dev_server_startup_timeout=timedelta(seconds=60),
     )
     services: list[devstack.ManagedProcess] = []

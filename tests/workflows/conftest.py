@@ -28,11 +28,11 @@ import pytest
 from job_doubles import Federation, running_federation
 from temporalio.api.enums.v1 import IndexedValueType
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from iris import devstack
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
+from iris.temporal import data_converter
 
 
 def java_test_server() -> Path:
@@ -53,7 +53,7 @@ def java_test_server() -> Path:
 async def time_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_time_skipping(
         test_server_existing_path=str(java_test_server()),
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         test_server_startup_timeout=timedelta(seconds=60),
     )
     try:
@@ -77,7 +77,7 @@ async def dev_env() -> AsyncIterator[WorkflowEnvironment]:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(devstack.venv_bin("temporal")),
         search_attributes=SEARCH_ATTRIBUTE_KEYS,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         dev_server_startup_timeout=timedelta(seconds=60),
     )
     try:

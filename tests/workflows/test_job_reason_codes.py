@@ -28,7 +28,6 @@ from job_doubles import (
     wait_for_state,
 )
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import BufferedMetricUpdate, MetricBuffer, Runtime, TelemetryConfig
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
@@ -39,6 +38,7 @@ from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.jobs import CancelRequest, JobState, JobStatus, WaitReason, state_code
 from iris.policy.models import Band, DeviceRequest
 from iris.policy.reasons import ReasonCode
+from iris.temporal import data_converter
 from workflows.job import JobWorkflow
 from workflows.runner import workflow_runner
 
@@ -261,7 +261,7 @@ async def test_submissions_and_queue_waits_are_counted_once_per_job(time_env: Wo
         env.client.service_client.config.target_host,
         namespace=env.client.namespace,
         runtime=runtime,
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
     )
     now = await env_now_ms(env)
     fake = FakeFederation(view=federation_view(now))
@@ -305,7 +305,7 @@ async def test_submissions_and_queue_waits_are_counted_once_per_job(time_env: Wo
     await Replayer(
         workflows=[JobWorkflow],
         workflow_runner=workflow_runner(),
-        data_converter=pydantic_data_converter,
+        data_converter=data_converter(),
         runtime=Runtime(telemetry=TelemetryConfig(metrics=replay_buffer)),
     ).replay_workflow(history)
     assert iris_updates(replay_buffer) == []
