@@ -54,15 +54,31 @@ def _age_ms(ms: int | None) -> str:
 
 
 def peers_command() -> None:
-    """Every cluster: reachable, last contact, and per backend free/total and held by band."""
-    view = common.run(_view())
-    header = ("CLUSTER", "REACHABLE", "CONTACT", "BACKEND", "FREE/TOTAL", "HELD BY BAND")
+    """Every cluster: reachable, last contact, and per backend free/total, held by band, and how
+    its jobs are sandboxed."""
+    for line in peers_table(common.run(_view())):
+        typer.echo(line)
+
+
+def peers_table(view: FederationView) -> list[str]:
+    """The lines of `iris peers` for ``view``. SANDBOX is the backend's own word on how its jobs are
+    isolated (docs/SECURITY.md, "The job sandbox"): ``bwrap``, ``none: <why>``, or ``-`` from a
+    backend that does not say (a Ray backend, an older controller)."""
+    header = ("CLUSTER", "REACHABLE", "CONTACT", "BACKEND", "FREE/TOTAL", "HELD BY BAND", "SANDBOX")
     rows: list[tuple[str, ...]] = [header]
     for r in view.reports:
         name = f"{r.peer_id} (home)" if r.peer_id == view.home else r.peer_id
         if not r.reachable or not r.backends:
             rows.append(
-                (name, "yes" if r.reachable else "no", _age_ms(r.last_contact_ms), "-", "-", r.error or "-")
+                (
+                    name,
+                    "yes" if r.reachable else "no",
+                    _age_ms(r.last_contact_ms),
+                    "-",
+                    "-",
+                    r.error or "-",
+                    "-",
+                )
             )
             continue
         for i, b in enumerate(r.backends):
@@ -89,8 +105,8 @@ def peers_command() -> None:
                     b.backend_id,
                     free,
                     held,
+                    b.sandbox or "-",
                 )
             )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -28,6 +28,21 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message is one line for a human."""
 
 
+# The largest uid a sandbox pool may use: below 2**31 - 1 (uid_t -1 means "unchanged" to the kernel).
+MAX_SANDBOX_UID = 2**31 - 2
+
+
+def uid_range(value: str) -> range:
+    """``"FIRST-LAST"`` as the uids it names; ValueError unless 1 <= FIRST <= LAST <= 2**31 - 2."""
+    first, sep, last = value.strip().partition("-")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError(f"{value!r} is not a uid range FIRST-LAST")
+    lo, hi = int(first), int(last)
+    if not 1 <= lo <= hi <= MAX_SANDBOX_UID:
+        raise ValueError(f"{value!r}: need 1 <= FIRST <= LAST <= {MAX_SANDBOX_UID}")
+    return range(lo, hi + 1)
+
+
 class BackendConfig(BaseModel):
     """One execution pool of a cluster: attributes it advertises and devices it has."""
 
@@ -171,6 +186,21 @@ class ClusterConfig(BaseModel):
     # that user's primary group and no other (docs/DESIGN.md, "Job → controller"). A controller
     # that is not root cannot switch users and warns at start-up; "root" keeps root, with a warning.
     run_as: str = Field(default="nobody", min_length=1)
+    # The job sandbox of this cluster's process backends (docs/SECURITY.md, "The job sandbox"):
+    # "auto" runs each job in its own bubblewrap sandbox where the host allows it and otherwise
+    # says at start-up (and in `iris peers`) what is lost; "required" refuses to start without
+    # it; "off" runs jobs unsandboxed, as run_as. With the sandbox on, run_as is not used.
+    sandbox: Literal["auto", "required", "off"] = "auto"
+    # The uids a root controller's sandboxed jobs run as, "FIRST-LAST": one per running job, never
+    # an existing account's. The default lies outside the ranges systemd allocates (homed users,
+    # DynamicUser=), so no service's files belong to a job's uid.
+    sandbox_uids: str = "60600-61183"
+    # Sandboxed jobs share the host's network: they reach the control plane's loopback services
+    # (Temporal, emulators, controllers, metrics). Off by default; on loses that isolation.
+    sandbox_host_network: bool = False
+    # Host paths a sandboxed job also sees, read-only, at the same path (an interpreter or a
+    # dataset the jobs need). Never a directory that holds keys or state.
+    sandbox_ro_paths: list[str] = Field(default_factory=list)
     # How long the controller keeps a finished job (its record, log and work directory) before
     # retention removes it (docs/DESIGN.md, "Retention").
     retention_s: float = Field(default=7 * 86_400.0, gt=0)
@@ -181,6 +211,24 @@ class ClusterConfig(BaseModel):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @field_validator("sandbox_uids")
+    @classmethod
+    def _uid_range(cls, value: str) -> str:
+        uid_range(value)
+        return value.strip()
+
+    @field_validator("sandbox_ro_paths")
+    @classmethod
+    def _absolute_paths(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not os.path.isabs(path):
+                raise ValueError(f"{path!r} is not an absolute path")
+        return value
+
+    @property
+    def sandbox_uid_range(self) -> range:
+        return uid_range(self.sandbox_uids)
 
     @model_validator(mode="after")
     def _unique_backends(self) -> ClusterConfig:

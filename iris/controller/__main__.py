@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from iris.controller.identity import default_key_dir
     from iris.controller.privileges import harden_key_file, privilege_warning, resolve_run_as
     from iris.controller.retention import sweep_interval_s
+    from iris.controller.sandbox import Sandbox
 
     try:
         config = load_config(args.config)
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         key_dir = args.key_dir or default_key_dir(args.state_dir.resolve().parent)
         run_as = resolve_run_as(cluster)
+        processes = any(b.kind == "process" for b in cluster.backends)
+        # Decided once here (the backends take the same answer); "required" without it is exit 2.
+        sandbox = Sandbox.for_cluster(cluster, args.state_dir) if processes else None
         app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)
     except ConfigError as exc:
         print(f"iris controller: {exc}", file=sys.stderr)
@@ -114,9 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     if cluster.auth is not None and cluster.auth.private_key_file:
         private_key = Path(cluster.auth.private_key_file).expanduser()
         harden_key_file(private_key if private_key.is_absolute() else key_dir / private_key)
-    warning = privilege_warning(run_as)
-    if warning is not None and any(b.kind == "process" for b in cluster.backends):
-        logging.getLogger("iris.controller").warning(warning)
+    # Said once, at start: what the jobs' isolation lacks on this host (docs/SECURITY.md, "The job
+    # sandbox"). run_as applies only to jobs outside the sandbox.
+    if sandbox is not None:
+        line = sandbox.startup_line()
+        if line is not None:
+            logging.getLogger("iris.controller").warning(line)
+        warning = None if sandbox.enabled else privilege_warning(run_as)
+        if warning is not None:
+            logging.getLogger("iris.controller").warning(warning)
 
     try:
         args.state_dir.mkdir(parents=True, exist_ok=True)

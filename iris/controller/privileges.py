@@ -1,8 +1,10 @@
 """Who a controller's jobs run as, and the file modes that keep them out of the controller's state
 (docs/DESIGN.md, "Job → controller").
 
-A controller running as root starts each job of its process backends as the cluster's ``run_as``
-user (default ``nobody``): its uid, its primary group and no supplementary groups. A controller
+Without the job sandbox (iris/controller/sandbox.py: a host that cannot sandbox, or
+``sandbox = "off"``), a controller running as root starts each job of its process backends as the
+cluster's ``run_as`` user (default ``nobody``): its uid, its primary group and no supplementary
+groups; in the sandbox, a uid of the cluster's pool replaces it. A controller
 that is not root cannot switch users; its jobs run with its own privileges, and it says so once at
 start-up. Either way the state directory, ``controller.db`` and the controller's private key are
 readable by the controller's user only.
@@ -65,14 +67,15 @@ def privilege_warning(run_as: RunAs) -> str | None:
     return f"run_as = {run_as.user!r} is root: jobs run with the controller's own privileges"
 
 
-def harden_state_dir(state_dir: Path, run_as: RunAs) -> None:
+def harden_state_dir(state_dir: Path, run_as: RunAs, *, traverse: bool | None = None) -> None:
     """State dir and ``logs/`` 0700; ``work/`` too, or search-only (0711) with the state dir when
-    jobs run as another uid and must reach their own directories by path."""
-    traverse = SEARCH_ONLY_DIR if run_as.switch else PRIVATE_DIR
+    jobs run as another uid and must reach their own directories by path (``traverse``, default
+    ``run_as.switch``; a sandboxed job sees its directory by a bind and needs no path to it)."""
+    open_dir = SEARCH_ONLY_DIR if (run_as.switch if traverse is None else traverse) else PRIVATE_DIR
     for path, mode in (
-        (state_dir, traverse),
+        (state_dir, open_dir),
         (state_dir / "logs", PRIVATE_DIR),
-        (state_dir / "work", traverse),
+        (state_dir / "work", open_dir),
     ):
         path.mkdir(parents=True, exist_ok=True)
         os.chmod(path, mode)

@@ -87,6 +87,9 @@ class TaskRecord:
     exit_code: int | None = None
     slots: list[int] = field(default_factory=list)
     pid: int | None = None
+    # The sandbox pool uid it runs as (iris/controller/sandbox.py), saved before it starts: a
+    # restarted controller reclaims it.
+    uid: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +98,7 @@ class TaskRecord:
             "exit_code": self.exit_code,
             "slots": self.slots,
             "pid": self.pid,
+            "uid": self.uid,
         }
 
     @classmethod
@@ -105,6 +109,7 @@ class TaskRecord:
             exit_code=data.get("exit_code"),
             slots=[int(s) for s in data.get("slots", [])],
             pid=data.get("pid"),
+            uid=data.get("uid"),
         )
 
 

@@ -111,6 +111,9 @@ class BackendReport(BaseModel):
     backend_id: str
     advertised_attributes: dict[str, list[str]] = Field(default_factory=dict)
     availability: Availability | None = None
+    # How its jobs are isolated (docs/SECURITY.md, "The job sandbox"): "bwrap", or "none: <why>";
+    # None from a backend that does not say (a Ray backend, an older controller).
+    sandbox: str | None = Field(default=None, max_length=500)
 
 
 class PeerReport(BaseModel):

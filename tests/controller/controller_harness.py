@@ -90,15 +90,27 @@ def cpu_backend(id: str = "cpu", cpu_slots: int = 2) -> dict[str, Any]:
 
 
 # The jobs of most tests run this test interpreter and write to the test's temp dir, neither of
-# which an unprivileged user can reach on a machine whose Python lives under a 0700 /root: they keep
-# the test's user. tests/controller/test_controller_privileges.py runs jobs as "nobody" for real.
+# which an unprivileged user can reach on a machine whose Python lives under a 0700 /root, nor a
+# sandboxed job see: they keep the test's user, unsandboxed. tests/controller/test_controller_privileges.py
+# runs jobs as "nobody" for real, tests/controller/test_controller_sandbox.py in the sandbox.
 TEST_USER = pwd.getpwuid(os.geteuid()).pw_name
 
 
 def cluster(
-    name: str, *, backends: list[dict[str, Any]] | None = None, auth: Any = None, run_as: str = TEST_USER
+    name: str,
+    *,
+    backends: list[dict[str, Any]] | None = None,
+    auth: Any = None,
+    run_as: str = TEST_USER,
+    sandbox: str = "off",
 ) -> dict[str, Any]:
-    c: dict[str, Any] = {"name": name, "port": free_port(), "backends": backends or [], "run_as": run_as}
+    c: dict[str, Any] = {
+        "name": name,
+        "port": free_port(),
+        "backends": backends or [],
+        "run_as": run_as,
+        "sandbox": sandbox,
+    }
     if auth is not None:
         c["auth"] = auth
     return c

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import json
 import logging
 import math
 import os
@@ -25,7 +26,8 @@ from iris.config import BackendConfig
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
-from iris.controller.privileges import chown_tree, harden_state_dir, resolve_run_as
+from iris.controller.privileges import RunAs, chown_tree, harden_state_dir, resolve_run_as
+from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
 from iris.policy.preemption import RunningTask, choose_victims
@@ -85,6 +87,8 @@ class _Run:
     procs: dict[int, asyncio.subprocess.Process] = field(default_factory=dict)  # task index -> process
     task: asyncio.Task[None] | None = None
     killer: asyncio.Task[None] | None = None
+    # The pool uid the job's sandboxes run as, held until its processes are gone.
+    lease: UidLease | None = None
 
 
 def _queue_order(job: JobRecord) -> tuple[int, int]:
@@ -228,8 +232,15 @@ class ProcessBackend(Backend):
         self._leftovers = LeftoverSweeper()
         self._closing = False
         # Who the jobs run as; the state dir's modes follow (docs/DESIGN.md, "Job → controller").
+        # In the sandbox, each job runs as a uid of the cluster's pool and sees its own working
+        # directory by a bind: run_as is the fallback of a host that cannot sandbox
+        # (docs/SECURITY.md, "The job sandbox").
+        self.sandbox = Sandbox.for_cluster(host.cluster, host.state_dir)
+        # Work directories by absolute path: a sandbox binds them there.
+        self._state_dir = Path(os.path.abspath(host.state_dir))
         self.run_as = resolve_run_as(host.cluster)
-        harden_state_dir(host.state_dir, self.run_as)
+        traverse = self.run_as.switch and not self.sandbox.enabled
+        harden_state_dir(host.state_dir, self.run_as, traverse=traverse)
 
     # ---- bookkeeping -----------------------------------------------------------------------
 
@@ -250,6 +261,14 @@ class ProcessBackend(Backend):
     def recover(self, jobs: list[JobRecord]) -> None:
         lost = {j.run_id for j in jobs if j.state is ControllerJobState.RUNNING}
         killed = kill_leftovers(lost)
+        if self.sandbox.pool is not None:
+            # A lost run's pool uid: whatever still runs as it is the lost run's (a process that
+            # cleared its environment escapes kill_leftovers, not this), unless another controller
+            # has leased the uid since.
+            for job in jobs:
+                uid = job.tasks[0].uid if job.tasks and job.state is ControllerJobState.RUNNING else None
+                if uid is not None:
+                    killed[job.run_id] = killed.get(job.run_id, 0) + self.sandbox.pool.reclaim(uid)
         for job in jobs:
             if job.state is ControllerJobState.RUNNING:
                 settle_lost_run(self.host, job, killed.get(job.run_id, 0))
@@ -286,6 +305,7 @@ class ProcessBackend(Backend):
         totals[CPU_RESOURCE] = self.config.cpu_slots
         running = [run.job for run in self._runs.values()]
         report = self.capacity_report(self.observed_ms, free=free, totals=totals, running=running)
+        report.sandbox = self.sandbox.status
         # capacity_report counts device chips only; running CPU jobs hold their slots by band too.
         cpu_held: dict[Band, int] = {}
         for job in running:
@@ -446,13 +466,16 @@ class ProcessBackend(Backend):
         path = self.log_path(job)
         # A fresh private directory per run, named unguessably: the work dir cannot be listed, so a
         # job reaches no other job's directory by its path (docs/DESIGN.md, "Job → controller").
-        workdir = work_dir_for(self.host.state_dir, path)
+        workdir = work_dir_for(self._state_dir, path)
         outcome: tuple[ControllerJobState, int | None, str | None]
+        owner: RunAs | None = None  # who the working directory was given to
         try:
             workdir.mkdir(mode=0o700)
             unpacked = await self._unpack(job, workdir)
-            if unpacked is None and self.run_as.switch:
-                await asyncio.to_thread(chown_tree, workdir, self.run_as)
+            if unpacked is None:
+                owner, unpacked = await self._identity(job, run)
+            if owner is not None:
+                await asyncio.to_thread(chown_tree, workdir, owner)
             if unpacked is not None:
                 outcome = unpacked
             else:
@@ -465,16 +488,20 @@ class ProcessBackend(Backend):
         except Exception as exc:  # a controller-side failure must still settle the job
             log.exception("job %s: executor error", job.job_id)
             for proc in run.procs.values():
-                _signal_group(proc.pid, signal.SIGKILL)
+                self._signal(proc.pid, signal.SIGKILL)
             outcome = (ControllerJobState.WORKER_FAILED, None, f"controller error: {type(exc).__name__}")
         finally:
             if run.killer is not None:
                 run.killer.cancel()
-            if self.run_as.switch:
+            if owner is not None:
                 # The run is over: its directory goes back to the controller, out of reach of
                 # later jobs that run as the same user (docs/DESIGN.md, "Job → controller").
                 with contextlib.suppress(OSError):
                     os.chown(workdir, os.geteuid(), os.getegid())
+            if run.lease is not None:
+                # Every process of the job is gone with its sandboxes' PID namespaces (and a
+                # new lease checks that no process runs as the uid anyway).
+                run.lease.release()
             self._runs.pop(job.job_id, None)
             self._release(job, demand)
         state, code, error = outcome
@@ -490,6 +517,28 @@ class ProcessBackend(Backend):
             "job %s finished: %s exit_code=%s%s", job.job_id, state, code, f" ({error})" if error else ""
         )
         self._schedule()
+
+    async def _identity(
+        self, job: JobRecord, run: _Run
+    ) -> tuple[RunAs | None, tuple[ControllerJobState, int | None, str | None] | None]:
+        """Who the job runs as, if not the controller's own user, or why it cannot start. A pool
+        uid is recorded with the job before any process runs as it: a controller that restarts
+        knows what to reclaim (``recover``)."""
+        pool = self.sandbox.pool
+        if pool is None:
+            return (self.run_as if self.run_as.switch and not self.sandbox.enabled else None), None
+        run.lease = await asyncio.to_thread(pool.lease)
+        if run.lease is None:
+            return None, (
+                ControllerJobState.WORKER_FAILED,
+                None,
+                f"no free uid in the cluster's sandbox pool ({self.host.cluster.sandbox_uids})",
+            )
+        uid = run.lease.uid
+        for task in job.tasks:
+            task.uid = uid
+        self.host.save(job)
+        return RunAs(user=f"uid {uid}", uid=uid, gid=uid, switch=True), None
 
     async def _unpack(
         self, job: JobRecord, workdir: Path
@@ -510,25 +559,30 @@ class ProcessBackend(Backend):
         for task in job.tasks:
             if job.terminate_requested or job.preempted is not None:
                 break
-            # As root: the run_as uid, its primary group, no supplementary group (root's would
-            # stay otherwise). The log file was opened by the controller: the job inherits the fd.
-            switch = self.run_as.switch
+            env = self._job_env(job, task.index, task.slots, workdir)
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *job.command,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_fd,
-                    stderr=log_fd,
-                    env=self._job_env(job, task.index, task.slots, workdir),
-                    cwd=workdir,
-                    start_new_session=True,
-                    user=self.run_as.uid if switch else None,
-                    group=self.run_as.gid if switch else None,
-                    extra_groups=[] if switch else None,
-                )
+                if self.sandbox.enabled:
+                    proc = await self._spawn_sandboxed(job, run, env, log_fd, workdir)
+                else:
+                    # As root: the run_as uid, its primary group, no supplementary group (root's
+                    # would stay otherwise). The log file was opened by the controller: the job
+                    # inherits the fd.
+                    switch = self.run_as.switch
+                    proc = await asyncio.create_subprocess_exec(
+                        *job.command,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=log_fd,
+                        stderr=log_fd,
+                        env=env,
+                        cwd=workdir,
+                        start_new_session=True,
+                        user=self.run_as.uid if switch else None,
+                        group=self.run_as.gid if switch else None,
+                        extra_groups=[] if switch else None,
+                    )
             except OSError as exc:
                 for p in run.procs.values():
-                    _signal_group(p.pid, signal.SIGKILL)
+                    self._signal(p.pid, signal.SIGKILL)
                     await p.wait()
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
                 return ControllerJobState.FAILED, code, f"cannot start {job.command[0]!r}: {exc.strerror}"
@@ -568,7 +622,8 @@ class ProcessBackend(Backend):
                     task.state = ControllerJobState.KILLED
                 else:
                     task.state = ControllerJobState.FAILED
-                # Sweep what the replica left behind in its process group.
+                # Sweep what the replica left behind in its process group (a sandbox's ended
+                # with its PID namespace).
                 _signal_group(run.procs[idx].pid, signal.SIGKILL)
                 # Exit codes of replicas we killed (timeout, terminate) are not the job's failure.
                 if code != 0 and not killing:
@@ -595,11 +650,45 @@ class ProcessBackend(Backend):
             return ControllerJobState.PREEMPTED, None, job.preempted
         return ControllerJobState.SUCCEEDED, 0, None
 
+    async def _spawn_sandboxed(
+        self, job: JobRecord, run: _Run, env: dict[str, str], log_fd: int, workdir: Path
+    ) -> asyncio.subprocess.Process:
+        """One replica in its sandbox (iris/controller/sandbox.py). bwrap gets a fixed environment;
+        the job's own reaches the launcher inside, as the job's uid, through its stdin."""
+        uid = run.lease.uid if run.lease is not None else None
+        why = find_command(
+            self.sandbox.view, job.command[0], path_env=env.get("PATH", ""), workdir=workdir, uid=uid
+        )
+        if why is not None:
+            raise (PermissionError if why == "Permission denied" else FileNotFoundError)(0, why)
+        env_fd = os.memfd_create("iris-job-env", os.MFD_CLOEXEC)
+        try:
+            os.write(env_fd, json.dumps(env).encode())
+            os.lseek(env_fd, 0, os.SEEK_SET)
+            return await asyncio.create_subprocess_exec(
+                *self.sandbox.argv(job.command, workdir=workdir, uid=uid),
+                stdin=env_fd,
+                stdout=log_fd,
+                stderr=log_fd,
+                env=LAUNCH_ENV,
+                cwd=workdir,
+                start_new_session=True,
+            )
+        finally:
+            os.close(env_fd)
+
+    def _signal(self, pid: int, sig: signal.Signals) -> None:
+        """``sig`` to every process of one replica: its sandbox's, or its process group."""
+        if self.sandbox.enabled:
+            signal_sandbox(pid, sig)
+        else:
+            _signal_group(pid, sig)
+
     def _kill_run(self, job: JobRecord, run: _Run, *, grace_s: float) -> None:
-        """SIGTERM every live process group of the job now, SIGKILL what remains after ``grace_s``."""
+        """SIGTERM every live process of the job now, SIGKILL what remains after ``grace_s``."""
         live = [p for p in run.procs.values() if p.returncode is None]
         for proc in live:
-            _signal_group(proc.pid, signal.SIGTERM)
+            self._signal(proc.pid, signal.SIGTERM)
         if run.killer is None or run.killer.done():
             run.killer = asyncio.get_running_loop().create_task(self._escalate(job.job_id, run, grace_s))
 
@@ -608,4 +697,4 @@ class ProcessBackend(Backend):
         for proc in run.procs.values():
             if proc.returncode is None:
                 log.info("job %s: pid %d ignored SIGTERM for %ss, sending SIGKILL", job_id, proc.pid, grace_s)
-                _signal_group(proc.pid, signal.SIGKILL)
+                self._signal(proc.pid, signal.SIGKILL)

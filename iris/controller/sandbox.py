@@ -1,0 +1,632 @@
+"""The job sandbox of the process backend (docs/SECURITY.md, "The job sandbox").
+
+Each job of a process backend runs under Debian's ``bubblewrap`` (``bwrap``): in its own network
+namespace (only a loopback that reaches nothing of the host), its own PID namespace (when the job's
+command exits, every process of the job is killed with it), its own IPC namespace, and a filesystem
+view built from an allow-list: read-only system paths, the Python interpreters the controller can
+run, its own working directory (read-write), a private ``/tmp`` and ``/dev/shm``, a ``/proc`` of its
+own namespace, a minimal ``/dev`` (plus the GPU device nodes when present). Nothing else of the host
+is visible: not the controller's state, keys or data, nor another job's files. A root controller
+runs each job as a uid of the cluster's pool (``sandbox_uids``), one per running job, leased
+host-wide so that no two running jobs (of any controller on the host) share one.
+
+bubblewrap rather than util-linux ``unshare``: ``bwrap`` builds the view from binds (nothing is
+visible unless bound, where ``unshare`` starts from the whole host and must hide what it knows
+of), and sets up the namespaces, the private mounts and ``--die-with-parent`` in one exec. The uid
+switch is util-linux ``setpriv`` inside the sandbox: ``bwrap --uid`` needs a user namespace, in
+which a root controller's job would still be root outside.
+
+The argv builder (``bwrap_argv``) is pure; what it is given comes from the host (``SandboxView``,
+``interpreter_paths``), and ``Sandbox`` ties both to one cluster's config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import pwd
+import random
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from iris.config import ClusterConfig, ConfigError
+
+log = logging.getLogger("iris.controller.sandbox")
+
+# Read-only at the same path in every sandbox, where they exist on the host. Top-level links
+# (/bin -> usr/bin on a merged-/usr system) are recreated as links.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+# Private, empty, world-writable with the sticky bit, in every sandbox.
+PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+# Where the uid leases live: host-wide, so controllers sharing a host never hand out one uid twice.
+LEASE_DIR = Path("/run/iris-sandbox-uids")
+# What `iris peers` and the start-up line call a working sandbox.
+BWRAP = "bwrap"
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+@dataclass(frozen=True)
+class SandboxView:
+    """What a job sees of the host besides its own working directory."""
+
+    # Read-only binds, (host path, path in the sandbox), parents before children.
+    ro_binds: tuple[tuple[str, str], ...] = ()
+    # Top-level links, (target, link), e.g. ("usr/bin", "/bin").
+    links: tuple[tuple[str, str], ...] = ()
+    # Device nodes bound as they are (GPUs).
+    devices: tuple[str, ...] = ()
+    # Paths covered by an empty tmpfs after the binds (the controller's state dir, where a bound
+    # system path holds it).
+    masked: tuple[str, ...] = ()
+    host_network: bool = False
+
+    def visible(self, path: str) -> bool:
+        """Whether ``path`` (absolute, normalized) lies in this view's binds or links."""
+        shown = [dest for _, dest in self.ro_binds] + [link for _, link in self.links]
+        return _under(path, shown) and not _under(path, self.masked)
+
+
+# Runs as the job's uid, inside the sandbox, in the controller's own interpreter (isolated, no
+# site): reads the job's environment (JSON) from stdin, puts /dev/null there instead, and execs the
+# command with that environment. bwrap and setpriv never see the job's environment: a variable such
+# as LD_PRELOAD would otherwise run the job's code in them, before the sandbox, with the
+# controller's privileges.
+LAUNCHER = """\
+import json, os, sys
+env = json.loads(sys.stdin.buffer.read())
+null = os.open("/dev/null", os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
+try:
+    os.execvpe(sys.argv[1], sys.argv[1:], env)
+except OSError as exc:
+    sys.stderr.write(f"cannot start {sys.argv[1]!r}: {exc.strerror}\\n")
+    sys.stderr.flush()
+    os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+"""
+# The environment bwrap, setpriv and the launcher start with.
+LAUNCH_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def launcher_argv(python: str) -> list[str]:
+    return [python, "-I", "-S", "-c", LAUNCHER]
+
+
+def bwrap_argv(
+    bwrap: str,
+    view: SandboxView,
+    *,
+    workdir: Path,
+    command: Sequence[str],
+    uid: int | None,
+    setpriv: str | None,
+    python: str,
+) -> list[str]:
+    """The argv that runs ``command`` in ``workdir`` inside ``view``; as ``uid`` (through
+    ``setpriv``, an absolute path inside the view) when given, else as the caller's uid. Its
+    stdin must carry the job's environment as JSON (``LAUNCHER``, run by ``python``); its own
+    environment should be ``LAUNCH_ENV``.
+
+    ``command[0]`` is looked up by the job's own PATH, as the job's uid, inside the sandbox; the
+    tools the sandbox itself runs are absolute paths, so nothing a job put on its PATH or in its
+    environment runs with the controller's privileges.
+    """
+    argv = [bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc"]
+    if not view.host_network:
+        argv.append("--unshare-net")
+    # Each directory the sandbox has so far, and whether it is a read-only bind of the host's.
+    made: dict[str, bool] = {"/": False}
+
+    def parents(dest: str) -> None:
+        # Mount points' parents made 0755 on the sandbox's own tmpfs: bwrap would make them 0700,
+        # and a job of another uid could not pass /root on the way to an interpreter bound under
+        # it. Inside a read-only bind they exist already (as the host has them).
+        parts = Path(dest).parts
+        for i in range(2, len(parts)):
+            parent = str(Path(*parts[:i]))
+            if parent in made:
+                continue
+            container = max((m for m in made if _under(parent, [m])), key=len)
+            if made[container]:
+                continue
+            argv.extend(["--perms", "0755", "--dir", parent])
+            made[parent] = False
+
+    for target, link in view.links:
+        argv += ["--symlink", target, link]
+    for src, dest in view.ro_binds:
+        parents(dest)
+        argv += ["--ro-bind", src, dest]
+        made[dest] = True
+    argv += ["--dev", "/dev"]
+    for dev in view.devices:
+        argv += ["--dev-bind", dev, dev]
+    argv += ["--proc", "/proc"]
+    made.update({"/dev": False, "/proc": True})
+    for tmp in PRIVATE_TMP:
+        parents(tmp)
+        argv += ["--perms", "1777", "--tmpfs", tmp]
+        made[tmp] = False
+    for path in view.masked:
+        argv += ["--tmpfs", path]
+        made[path] = False
+    parents(str(workdir))
+    argv += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--"]
+    if uid is not None:
+        if setpriv is None:
+            raise ValueError("switching to a pool uid needs setpriv")
+        # The uid's own group and no other; no capability survives (none may be regained: bwrap
+        # sets no_new_privs, so setuid files in the view grant nothing).
+        argv += [
+            setpriv,
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]
+    return argv + launcher_argv(python) + list(command)
+
+
+# ---- the host's side of the view ---------------------------------------------------------------
+
+
+def _prefix_of(executable: Path) -> Path:
+    """The installation an interpreter belongs to: ``PREFIX`` of ``PREFIX/bin/python3.11``."""
+    real = executable.resolve()
+    return real.parent.parent if real.parent.name == "bin" else real.parent
+
+
+def _venv_home(venv: Path) -> Path | None:
+    """The base interpreter's installation of a virtual environment (``home`` in pyvenv.cfg)."""
+    try:
+        lines = (venv / "pyvenv.cfg").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "home" and value.strip():
+            home = Path(value.strip())
+            return home.resolve().parent if home.name == "bin" else home.resolve()
+    return None
+
+
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def _is_binary(path: Path) -> bool:
+    """An executable file (a link followed) that is a program, not a script: a shim script (pyenv's)
+    is not an interpreter, and what it runs is not in the view."""
+    try:
+        with open(path, "rb") as f:
+            return os.access(path, os.X_OK) and f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def interpreter_paths(path_env: str) -> list[Path]:
+    """The Python installations a job may run: the controller's own (its virtual environment and
+    that one's base), and each virtual environment and ``python*`` on ``path_env`` with the
+    installation it links into. Each as found and as resolved (a link's target must be visible
+    at its own path for the link to work inside)."""
+    found: list[Path] = []
+
+    def add(path: Path | None) -> None:
+        if path is None or not path.is_absolute() or not path.is_dir():
+            return
+        for p in (Path(os.path.normpath(path)), path.resolve()):
+            if p not in found:
+                found.append(p)
+
+    for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix):
+        add(Path(prefix))
+    add(_prefix_of(Path(sys.executable)))
+    for entry in path_env.split(os.pathsep):
+        if not entry or not os.path.isabs(entry):
+            continue
+        bindir = Path(entry)
+        if bindir.name == "bin" and (bindir.parent / "pyvenv.cfg").is_file():
+            add(bindir.parent)
+            add(_venv_home(bindir.parent))
+        with contextlib.suppress(OSError):
+            for exe in sorted(bindir.glob("python*")):
+                if PYTHON_NAME.fullmatch(exe.name) and _is_binary(exe):
+                    add(_prefix_of(exe))
+    return found
+
+
+def gpu_devices(dev: Path = Path("/dev")) -> list[str]:
+    """The NVIDIA device nodes of this host (``/dev/nvidia*``, ``/dev/nvidia-caps``)."""
+    try:
+        return sorted(str(p) for p in dev.iterdir() if p.name.startswith("nvidia"))
+    except OSError:
+        return []
+
+
+def host_view(
+    *, hidden: Sequence[Path], extra_ro: Sequence[str], path_env: str, host_network: bool
+) -> tuple[SandboxView, list[str]]:
+    """This host's view for jobs, and the paths left out of it (each with why).
+
+    System paths are bound read-only where they exist; a hidden path (the state dir) inside one
+    is covered by an empty tmpfs. The interpreters and ``extra_ro`` are bound unless they lie in a
+    system path already, or contain a hidden path (then they are left out, and said so).
+    """
+    links: list[tuple[str, str]] = []
+    binds: list[tuple[str, str]] = []
+    skipped: list[str] = []
+    for top in SYSTEM_PATHS:
+        if os.path.islink(top):
+            links.append((os.readlink(top), top))
+        elif os.path.isdir(top):
+            binds.append((top, top))
+    system = [dest for _, dest in binds] + [link for _, link in links]
+    hidden_real = [os.path.realpath(h) for h in hidden]
+    masked = [h for h in hidden_real if _under(h, system)]
+    candidates = [*interpreter_paths(path_env), *(Path(p) for p in extra_ro)]
+    if host_network:
+        resolv = Path("/etc/resolv.conf")
+        if resolv.is_symlink():
+            candidates.append(resolv.resolve().parent)
+    extra: list[str] = []
+    for cand in candidates:
+        dest = os.path.normpath(cand)
+        if not os.path.exists(dest) or _under(dest, system) or dest in extra:
+            continue
+        if any(_under(h, [dest, os.path.realpath(dest)]) for h in hidden_real):
+            skipped.append(f"{dest} (holds the controller's state)")
+            continue
+        extra.append(dest)
+    # Parents before children, so a bind inside another one lands on top of it.
+    for dest in sorted(extra, key=lambda p: (p.count("/"), p)):
+        if not _under(dest, [d for _, d in binds if d not in system]):
+            binds.append((os.path.realpath(dest), dest))
+    view = SandboxView(
+        ro_binds=tuple(binds),
+        links=tuple(links),
+        devices=tuple(gpu_devices()),
+        masked=tuple(masked),
+        host_network=host_network,
+    )
+    return view, skipped
+
+
+def find_command(
+    view: SandboxView, command0: str, *, path_env: str, workdir: Path, uid: int | None
+) -> str | None:
+    """Why ``command0`` cannot start in the sandbox (as ``execvp`` would look it up there), or
+    None. Checked on the host before the sandbox is built: the job gets the same one-line error a
+    job outside the sandbox gets ("cannot start ...")."""
+
+    def seen(path: str) -> bool:
+        return _under(path, [str(workdir)]) or view.visible(path)
+
+    if "/" in command0:
+        candidates = [os.path.normpath(os.path.join(workdir, command0))]
+    else:
+        candidates = [
+            os.path.normpath(os.path.join(workdir, d or ".", command0)) for d in path_env.split(os.pathsep)
+        ]
+    denied = False
+    for cand in candidates:
+        real = os.path.realpath(cand)
+        if not (seen(cand) and seen(real)):
+            continue
+        try:
+            st = os.stat(real)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            denied = True
+            continue
+        who = uid if uid is not None else os.geteuid()
+        if who == 0:
+            bits = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+        elif st.st_uid == who:
+            bits = stat.S_IXUSR
+        elif st.st_gid == who:  # a pool uid's only group is the gid of the same number
+            bits = stat.S_IXGRP
+        else:
+            bits = stat.S_IXOTH
+        if st.st_mode & bits:
+            return None
+        denied = True
+    return "Permission denied" if denied else "No such file or directory in the job's sandbox"
+
+
+# ---- uids --------------------------------------------------------------------------------------
+
+
+def uid_busy(uid: int) -> bool:
+    """Whether any process of the host has ``uid`` as its real, effective, saved or fs uid."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        if str(uid) in line.split()[1:]:
+                            return True
+                        break
+        except OSError:
+            continue
+    return False
+
+
+def kill_uid(uid: int) -> int:
+    """SIGKILL every process running as ``uid``; how many (a lost run's leftovers)."""
+    killed = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                uids = next((line.split()[1:] for line in f if line.startswith("Uid:")), [])
+        except OSError:
+            continue
+        if str(uid) in uids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+@dataclass
+class UidLease:
+    """One uid held for one run: an exclusive ``flock`` on ``LEASE_DIR/<uid>``, held until
+    ``release`` (or until the controller's process ends, when the kernel drops it)."""
+
+    uid: int
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class UidPool:
+    """The cluster's ``sandbox_uids``, leased one per running job, host-wide."""
+
+    def __init__(self, uids: range, lease_dir: Path = LEASE_DIR) -> None:
+        self.uids = uids
+        self.lease_dir = lease_dir
+
+    def _try(self, uid: int) -> UidLease | None:
+        self.lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.lease_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return UidLease(uid, fd)
+
+    def lease(self) -> UidLease | None:
+        """A uid no running job holds and no process runs as, or None when the pool is spent.
+        Candidates are tried in random order: controllers sharing a pool rarely contend."""
+        candidates = list(self.uids)
+        random.shuffle(candidates)
+        for uid in candidates:
+            held = self._try(uid)
+            if held is None:
+                continue
+            if uid_busy(uid):  # a lost run's leftover, or a process the operator runs as it
+                held.release()
+                continue
+            return held
+        return None
+
+    def reclaim(self, uid: int) -> int:
+        """After a restart: SIGKILL what still runs as a lost run's ``uid``, unless another
+        controller has leased it since (then it is that one's job). How many were killed."""
+        if uid not in self.uids:
+            return 0
+        held = self._try(uid)
+        if held is None:
+            return 0
+        try:
+            return kill_uid(uid)
+        finally:
+            held.release()
+
+
+# ---- signals -----------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+    return out
+
+
+def signal_sandbox(bwrap_pid: int, sig: signal.Signals) -> None:
+    """Signal every process of the job ``bwrap_pid`` runs: SIGKILL ends its PID namespace (its
+    init dies, the kernel kills the rest); any other signal goes to each process of the namespace
+    but its init (whose death would end them all at once, with no grace), ``setsid`` children
+    included. Before the sandbox's init exists, the bwrap process itself is signalled."""
+    inits = _children(bwrap_pid)
+    if not inits:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(bwrap_pid, sig)
+        return
+    init = inits[0]
+    if sig == signal.SIGKILL:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(init, signal.SIGKILL)
+        return
+    try:
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+    except OSError:
+        return
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == init:
+            continue
+        try:
+            if os.readlink(f"/proc/{name}/ns/pid") != ns:
+                continue
+            os.kill(int(name), sig)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+# ---- the cluster's sandbox ---------------------------------------------------------------------
+
+
+@cache
+def probe(bwrap: str, view: SandboxView, uid: int | None, setpriv: str | None, python: str) -> str | None:
+    """Run ``true`` in such a sandbox, once per process; None if it worked, else why not (one
+    line: bwrap's own message, e.g. that it may not create namespaces here)."""
+    with tempfile.TemporaryDirectory(prefix="iris-sandbox-probe-") as workdir:
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        argv = bwrap_argv(
+            bwrap, view, workdir=Path(workdir), command=["true"], uid=uid, setpriv=setpriv, python=python
+        )
+        try:
+            res = subprocess.run(
+                argv, input=json.dumps(LAUNCH_ENV), env=LAUNCH_ENV, capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap cannot run: {exc}"
+    if res.returncode == 0:
+        return None
+    lines = (res.stderr or res.stdout).strip().splitlines()
+    return lines[-1] if lines else f"bwrap exited with {res.returncode}"
+
+
+def overlapping_accounts(uids: range) -> list[str]:
+    """Accounts of this host whose uid lies in ``uids``."""
+    return sorted(f"{e.pw_name} ({e.pw_uid})" for e in pwd.getpwall() if e.pw_uid in uids)
+
+
+@dataclass
+class Sandbox:
+    """The sandbox of one cluster's process backends on this host, decided once at start."""
+
+    cluster: ClusterConfig
+    state_dir: Path
+    # The bwrap executable; None when jobs run unsandboxed (``reason`` says why).
+    bwrap: str | None = None
+    setpriv: str | None = None
+    # The interpreter that runs the launcher: the controller's own, resolved.
+    python: str = field(default_factory=lambda: os.path.realpath(sys.executable))
+    view: SandboxView = field(default_factory=SandboxView)
+    pool: UidPool | None = None
+    reason: str = ""
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def enabled(self) -> bool:
+        return self.bwrap is not None
+
+    @property
+    def status(self) -> str:
+        """What the capacity report and ``iris peers`` show: ``bwrap``, or ``none: <reason>``."""
+        if not self.enabled:
+            return f"none: {self.reason}"[:400]
+        if self.pool is None:
+            return f"{BWRAP} (no uid pool: the controller is not root)"
+        return BWRAP
+
+    def startup_line(self) -> str | None:
+        """The one start-up line of a controller whose jobs lose some isolation, or None."""
+        if not self.enabled:
+            return (
+                f"cluster {self.cluster.name}: no job sandbox ({self.reason}): jobs share the host's "
+                "network (Temporal, the emulators, the controllers and metrics on loopback are "
+                "reachable), its PID space (a job's setsid children can outlive it) and /tmp, and run "
+                "as one shared user (run_as); see docs/SECURITY.md, 'The job sandbox'"
+            )
+        lost = []
+        if self.pool is None:
+            lost.append(f"the controller is not root: every job runs as its uid {os.geteuid()} (no uid pool)")
+        if self.view.host_network:
+            lost.append("sandbox_host_network = true: jobs reach the host's network and loopback services")
+        if self.skipped:
+            lost.append("not bound: " + ", ".join(self.skipped))
+        if not lost:
+            return None
+        return f"cluster {self.cluster.name}: job sandbox (bwrap) with less isolation: " + "; ".join(lost)
+
+    def path_env(self) -> str:
+        return os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin"
+
+    def argv(self, command: Sequence[str], *, workdir: Path, uid: int | None) -> list[str]:
+        assert self.bwrap is not None
+        return bwrap_argv(
+            self.bwrap,
+            self.view,
+            workdir=workdir,
+            command=command,
+            uid=uid,
+            setpriv=self.setpriv,
+            python=self.python,
+        )
+
+    @classmethod
+    def for_cluster(cls, cluster: ClusterConfig, state_dir: Path) -> Sandbox:
+        """Decide, once, how this host sandboxes the cluster's jobs: ConfigError when the cluster
+        requires a sandbox the host cannot give, or its uid pool holds an existing account."""
+        sandbox = cls(cluster, Path(state_dir))
+        if cluster.sandbox == "off":
+            sandbox.reason = "sandbox = off in the cluster's config"
+            return sandbox
+        root = os.geteuid() == 0
+        bwrap = shutil.which("bwrap")
+        setpriv = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+        if bwrap is None:
+            sandbox.reason = "bwrap not found on PATH (Debian: apt-get install bubblewrap)"
+        elif root and setpriv is None:
+            sandbox.reason = "setpriv (util-linux) not found: a root controller cannot switch a job's uid"
+        else:
+            view, skipped = host_view(
+                hidden=[sandbox.state_dir],
+                extra_ro=cluster.sandbox_ro_paths,
+                path_env=sandbox.path_env(),
+                host_network=cluster.sandbox_host_network,
+            )
+            real_setpriv = os.path.realpath(setpriv) if setpriv else None
+            if root and real_setpriv is not None and not view.visible(real_setpriv):
+                sandbox.reason = f"{real_setpriv} is not in a system path the sandbox binds"
+            elif not view.visible(sandbox.python):
+                sandbox.reason = f"the controller's interpreter {sandbox.python} is not in the sandbox's view"
+            else:
+                uids = cluster.sandbox_uid_range
+                failure = probe(bwrap, view, uids[0] if root else None, real_setpriv, sandbox.python)
+                if failure is not None:
+                    sandbox.reason = f"bwrap cannot build a sandbox here: {failure}"
+                else:
+                    sandbox.bwrap, sandbox.setpriv, sandbox.view = bwrap, real_setpriv, view
+                    sandbox.skipped = skipped
+                    if root:
+                        taken = overlapping_accounts(uids)
+                        if taken:
+                            raise ConfigError(
+                                f"cluster {cluster.name}: sandbox_uids {cluster.sandbox_uids} holds "
+                                f"existing accounts: {', '.join(taken[:5])}"
+                            )
+                        sandbox.pool = UidPool(uids)
+        if cluster.sandbox == "required" and not sandbox.enabled:
+            raise ConfigError(f"cluster {cluster.name}: sandbox = required, but {sandbox.reason}")
+        return sandbox
