@@ -58,11 +58,14 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     import asyncio
 
     from iris.client import IrisError
+    from iris.payloadcodec import PayloadKeyError
 
     try:
         return asyncio.run(coro)
     except IrisError as exc:
         fail(str(exc), exc.exit_code)
+    except PayloadKeyError as exc:  # a history this CLI has no payload key for
+        fail(str(exc), EXIT_INVALID)
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
 

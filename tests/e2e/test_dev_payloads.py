@@ -22,7 +22,8 @@ from stack import VENV_BIN, free_port_config
 from iris import devstack
 from iris.codecserver import create_app
 from iris.config import load_config
-from iris.payloadcodec import ENCODING, KEYRING_NAME, read_keyring
+from iris.payloadcodec import ENCODING, KEYRING_NAME, PAYLOAD_KEYS_ENV, read_keyring
+from iris.userauth import USER_KEY_DIR_ENV
 
 SECRET = "hunter2-alice"
 JOB = "alice/secret"
@@ -68,6 +69,18 @@ async def temporal(*args: str) -> tuple[int, str]:
     return proc.returncode or 0, out.decode(errors="replace")
 
 
+async def iris_without_keys(dev: DevProcess, key_dir: Path, *args: str) -> tuple[int, str, str]:
+    """`iris ARGS` as another shell of the same user would run it, without any payload key ring."""
+    env = {**dev.env, "IRIS_CONFIG": str(dev.config_file), USER_KEY_DIR_ENV: str(key_dir)}
+    env.pop(PAYLOAD_KEYS_ENV, None)
+    proc = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "iris"), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 150)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
 @pytest.fixture(scope="module")
 async def dev(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[DevProcess]:
     root = tmp_path_factory.mktemp("dev-payloads")
@@ -106,6 +119,11 @@ async def test_alices_env_value_is_in_no_history_log_or_database(dev: DevProcess
     code, out, err = await dev.iris("job", "describe", JOB, "--json")
     assert code == 0, err
     assert json.loads(out)["spec"]["env"] == {"SECRET_TOKEN_ALICE": SECRET}
+
+    # A CLI without the ring says which key it lacks, in one line, and shows nothing of the job.
+    code, out, err = await iris_without_keys(dev, data_dir.parent / "no-keys", "job", "describe", JOB)
+    assert code == 2 and err.startswith("error: a payload is encrypted with key"), (out, err)
+    assert SECRET not in out + err and len(err.splitlines()) == 1
 
     # Temporal's own CLI, without the codec: the history is there, its payloads are ciphertext.
     address = ["--address", cfg.temporal.address, "--namespace", cfg.temporal.namespace]
