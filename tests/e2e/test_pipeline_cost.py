@@ -101,7 +101,7 @@ async def test_a_burst_of_classifications_shares_one_capacity_read(stack: Stack)
     # One read from the burst; the stack's placement tick may poll once or twice meanwhile.
     assert burst <= 3, burst
     # Past the reuse window the next caller reads again.
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.6)  # not a wait: real time must pass the 0.5 s reuse window
     later = await env.run(activities.fetch_reports)
     assert later.fetched_ms is not None and views[0].fetched_ms is not None
     assert later.fetched_ms > views[0].fetched_ms

@@ -17,6 +17,7 @@ from datetime import timedelta
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from stack import wait_until
 from temporalio import activity, workflow
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
@@ -90,21 +91,17 @@ async def test_worker_serves_its_activity_slots(dev_server: str, monkeypatch: py
         free_key = ("temporal_worker_task_slots_available", "ActivityWorker")
         gauges: dict[tuple[str, str], float] = {}
         async with httpx.AsyncClient(timeout=5) as http:
-            for _ in range(100):
+
+            async def used(n: int) -> bool:
+                nonlocal gauges
                 gauges = slot_gauges((await http.get(url)).text, queue)
-                if gauges.get(used_key) == 3:
-                    break
-                await asyncio.sleep(0.1)
-            assert gauges.get(used_key) == 3, gauges
+                return gauges.get(used_key) == n
+
+            await wait_until(lambda: used(3), timeout=30, what="three activity slots used")
             assert gauges.get(free_key) == 2, gauges
             RELEASE.set()
             await asyncio.gather(*(h.result() for h in handles))
-            for _ in range(100):
-                gauges = slot_gauges((await http.get(url)).text, queue)
-                if gauges.get(used_key) == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert gauges.get(used_key) == 0, gauges
+            await wait_until(lambda: used(0), timeout=30, what="every activity slot free again")
             assert gauges.get(free_key) == 5, gauges
 
 

@@ -62,13 +62,13 @@ class ThreadedServer:
 
     async def start(self) -> None:
         self.thread.start()
-        for _ in range(600):
-            if self.server.started:
-                return
+
+        async def started() -> bool:
             if not self.thread.is_alive():
                 raise RuntimeError("a controller did not start")
-            await asyncio.sleep(0.05)
-        raise RuntimeError("a controller did not start in 30 s")
+            return self.server.started
+
+        await wait_until(started, timeout=30, interval=0.05, what="a controller to start")
 
     async def stop(self) -> None:
         self.server.should_exit = True

@@ -202,7 +202,7 @@ class ClockLoop(asyncio.SelectorEventLoop):
     def at(self, now: float) -> None:
         """Move the clock to ``now`` and run what is due (timers included)."""
         self.now = now
-        self.run_until_complete(asyncio.sleep(0))
+        self.run_until_complete(asyncio.sleep(0))  # not a wait: one turn runs what is due
 
 
 def test_a_worker_that_stops_ticking_zeroes_its_gauges(exporter: Exporter) -> None:
