@@ -45,7 +45,7 @@ import pytest
 from cancel_race import Milestones, Outcome, Race, run_race
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
-from stack import Stack, StackClient
+from stack import Stack, StackClient, wait_until
 from temporalio.api.enums.v1 import EventType, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
@@ -123,7 +123,7 @@ async def asked(call: Callable[[], Awaitable[T]], tries: int = 5) -> T:
         except Unavailable:
             if attempt == tries:
                 raise
-            await asyncio.sleep(0.2 * attempt)
+            await asyncio.sleep(0.2 * attempt)  # not a wait: the retry's backoff
     raise AssertionError("unreachable")
 
 
@@ -249,16 +249,17 @@ async def ready(federation: TwoWorkers) -> None:
     """Both workers poll the jobs' queue, and the placement manager has ticked."""
     client, queue = federation.stack.client, federation.config.temporal.task_queue
     manager = client.get_workflow_handle(manager_workflow_id(queue))
-    deadline = time.monotonic() + 90
-    while True:
+
+    async def up() -> bool:
         for w in federation.workers:
             assert w.running, f"{w.name} exited during start; see {w.log_path}"
-        polling = await pollers(client, queue)
+        if len(await pollers(client, queue)) < WORKERS:
+            return False
         with contextlib.suppress(Exception):
-            if len(polling) >= WORKERS and await manager.query(PlacementManager.last_tick) is not None:
-                return
-        assert time.monotonic() < deadline, f"workers not ready after 90 s: pollers {polling}"
-        await asyncio.sleep(0.5)
+            return await manager.query(PlacementManager.last_tick) is not None
+        return False
+
+    await wait_until(up, timeout=90, interval=0.5, what=f"{WORKERS} workers polling {queue} and a tick")
 
 
 # ---- what the controllers recorded ---------------------------------------------------------------
@@ -441,7 +442,7 @@ async def watching(
                             race.milestones.reach(job_id, stage)
                     else:
                         first_look[job_id] = now
-            await asyncio.sleep(every_s)
+            await asyncio.sleep(every_s)  # not a wait: the watcher's sampling period
 
     task = asyncio.create_task(watch())
     try:
