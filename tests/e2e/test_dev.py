@@ -184,7 +184,7 @@ async def test_iris_dev_leaves_nothing_behind_whatever_signals_arrive(tmp_path: 
     assert dev.proc is not None
     if interrupt == "two-ctrl-c":
         dev.ctrl_c()
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # not a wait: the pause between a user's two Ctrl-C
         dev.ctrl_c()
     else:
         os.killpg(dev.proc.pid, signal.SIGINT)  # e.g. a script stopping the whole group
