@@ -22,7 +22,6 @@ from typing import Any, Literal
 from faultproxy import FaultProxy
 from rayhead import on_ray_head
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -33,6 +32,7 @@ from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.identity import KEY_DIR_ENV
 from iris.keydirs import provision_key_dirs
 from iris.store import FederationStore
+from iris.temporal import data_converter
 from iris.userauth import USER_KEY_DIR_ENV, register_user
 from worker.main import build_worker, ensure_manager
 
@@ -234,7 +234,7 @@ class StackRunner:
             ui_port=self.ui_port,
             dev_server_existing_path=str(devstack.venv_bin("temporal")),
             search_attributes=SEARCH_ATTRIBUTE_KEYS,
-            data_converter=pydantic_data_converter,
+            data_converter=data_converter(),
             dev_server_startup_timeout=timedelta(seconds=60),
         )
         address = self.env.client.service_client.config.target_host
