@@ -27,9 +27,11 @@ from controller_harness import (
     wait_terminal,
     write_config,
 )
+from faultproxy import FaultProxy
 from ray.job_submission import JobStatus as RayStatus
 from ray.job_submission import JobSubmissionClient
 from ray_harness import TcpProxy, ray_backend
+from stack import wait_until
 
 from iris import devstack
 from iris.config import load_config
@@ -46,6 +48,10 @@ from iris.reports import cluster_report
 
 def ray_jobs(spec: devstack.RayHeadSpec) -> JobSubmissionClient:
     return JobSubmissionClient(spec.address)
+
+
+# What the controller's Ray monitor asks Ray's job API once a round (iris/controller/executors/ray_jobs.py).
+VERSION = "GET /api/version"
 
 
 def controller_on(root: Path, backend: dict[str, Any], name: str = "peer") -> Controller:
@@ -205,7 +211,21 @@ async def test_terminate_stops_the_ray_job(
 async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
     ray_head: devstack.RayHeadSpec, tmp_path: Path
 ) -> None:
-    ctl = await asyncio.to_thread(controller_on, tmp_path, ray_backend(ray_head, "cap"))
+    # The controller's Ray monitor asks Ray's job API for its version once a round: counted through
+    # a proxy, they tell the test when a round has begun (and the one before it ended) after a step.
+    jobs_api = FaultProxy(ray_head.address)
+    await jobs_api.start(devstack.free_port())
+    backend = ray_backend(ray_head, "cap", address=f"http://127.0.0.1:{jobs_api.port}")
+    ctl = await asyncio.to_thread(controller_on, tmp_path, backend)
+
+    async def a_whole_round(what: str) -> None:
+        floor = jobs_api.requests[VERSION] + 2
+
+        async def past() -> bool:
+            return jobs_api.requests[VERSION] >= floor
+
+        await wait_until(past, timeout=60, what=f"a whole round of the Ray monitor after {what}")
+
     try:
         async with ctl.client() as c:
             first = await poll(
@@ -217,7 +237,7 @@ async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
             idle = first
             assert idle.amounts == {"h100": 8} and idle.held_by_band == []
             # Nothing changed, so the observation is the same one (reservations stay charged to it).
-            await asyncio.sleep(1.5)
+            await a_whole_round("the idle report")
             assert (await availability(c)).observation_epoch_ms == idle.observation_epoch_ms
 
             batch = request(["sleep", "30"], gpus=6, band=Band.BATCH, backend_id="ray-h100")
@@ -236,7 +256,7 @@ async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
             waiting = request(["true"], gpus=4, band=Band.BATCH, backend_id="ray-h100")
             await c.launch(waiting)
             assert (await availability(c)).amounts == {"h100": 0}
-            await asyncio.sleep(1.5)
+            await a_whole_round("the launch of the job that does not fit")
             assert (await c.status(waiting.job_id)).state is S.PENDING
             assert (await c.status(batch.job_id)).state is S.RUNNING
 
@@ -251,6 +271,7 @@ async def test_capacity_comes_from_ray_while_a_job_holds_devices_and_after(
             assert after.observation_epoch_ms > held.observation_epoch_ms
     finally:
         await asyncio.to_thread(ctl.stop)
+        await jobs_api.stop()
 
 
 async def test_ray_going_away_is_unreachable_and_nothing_is_placed_there(

@@ -206,10 +206,10 @@ async def test_a_running_jobs_log_grows_by_what_is_new_only(
     # A reader of a job just started: until the controller has seen the job run, nothing to read.
     await wait_for(gate / "written-0")
     await poll(lambda: read_copy(executor, job.job_id), lambda text: text == COPIES[0], timeout=30)
-    await asyncio.sleep(0.6)
+    await asyncio.sleep(0.6)  # not a wait: real time must pass LOG_REFRESH_S before the next read
     for i in range(len(STEPS) - 1):
         await wait_for(gate / f"written-{i}")
-        await asyncio.sleep(0.6)  # past the refresh interval (LOG_REFRESH_S): this read refreshes
+        await asyncio.sleep(0.6)  # not a wait: past the refresh interval (LOG_REFRESH_S), this read refreshes
         before = (backend.log_requests, backend.log_bytes_fetched)
         text = await read_copy(executor, job.job_id)
         requests_made = backend.log_requests - before[0]
