@@ -449,3 +449,49 @@ def test_a_uid_pool_holding_an_account_is_one_config_error(tmp_path: Path) -> No
     assert res.stderr.strip().splitlines() == [
         "iris controller: cluster peer: sandbox_uids 65530-65534 holds existing accounts: nobody (65534)"
     ]
+
+
+GRACEFUL = r"""
+import os, signal, sys, time
+def stop(signum, frame):
+    print("got SIGTERM as pid", os.getpid(), flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+async def test_a_terminated_job_gets_its_sigterm_inside_the_sandbox(world: World) -> None:
+    """A terminate reaches the job's own process as SIGTERM (its handler runs: the grace is kept),
+    not as the sandbox's sudden end."""
+    req = request(job_py(GRACEFUL), backend_id="cpu")
+    async with world.client() as c:
+        await c.launch(req)
+        await wait_log(c, req.job_id, "ready")
+        await c.terminate(req.job_id)
+        status = await wait_terminal(c, req.job_id, timeout=60)
+        text = await read_all_logs(c, req.job_id)
+    assert status.state is S.KILLED, (status, text)
+    assert "got SIGTERM as pid 2" in text, text  # the job is pid 2 of its own namespace
+
+
+STUBBORN = r"""
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+async def test_a_job_that_ignores_sigterm_is_killed_after_the_grace(world: World) -> None:
+    req = request(job_py(STUBBORN), backend_id="cpu")
+    async with world.client() as c:
+        await c.launch(req)
+        await wait_log(c, req.job_id, "ready")
+        await c.terminate(req.job_id)
+        status = await wait_terminal(c, req.job_id, timeout=60)
+    assert status.state is S.KILLED, status
+    assert status.tasks[0].exit_code == 128 + signal.SIGKILL, status
