@@ -495,3 +495,17 @@ async def test_a_job_that_ignores_sigterm_is_killed_after_the_grace(world: World
         status = await wait_terminal(c, req.job_id, timeout=60)
     assert status.state is S.KILLED, status
     assert status.tasks[0].exit_code == 128 + signal.SIGKILL, status
+
+
+async def test_replicas_of_one_job_share_its_uid_and_directory(world: World) -> None:
+    """Each replica is a sandbox of its own, as the job's one pool uid, in the job's directory."""
+    code = "import os; print('replica', os.environ['IRIS_REPLICA_INDEX'], os.getuid(), os.getcwd())"
+    req = request(job_py(code), backend_id="cpu", replicas=2)
+    async with world.client() as c:
+        await c.launch(req)
+        status = await wait_terminal(c, req.job_id, timeout=60)
+        text = await read_all_logs(c, req.job_id)
+    assert status.state is S.SUCCEEDED, (status, text)
+    rows = sorted(line.split()[1:] for line in text.splitlines() if line.startswith("replica "))
+    assert [r[0] for r in rows] == ["0", "1"], text
+    assert rows[0][1:] == rows[1][1:] and rows[0][1] != "0", text
