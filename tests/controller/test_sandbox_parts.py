@@ -3,14 +3,15 @@ of the host, the command check, the uid pool and its config (docs/SECURITY.md, "
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from controller_harness import poll
 from pydantic import ValidationError
 
 from iris.config import ClusterConfig, uid_range
@@ -169,13 +170,13 @@ def _as_uid(uid: int) -> subprocess.Popen[bytes]:
 
 
 @root_only
-def test_leases_are_exclusive_and_skip_busy_uids(tmp_path: Path) -> None:
+async def test_leases_are_exclusive_and_skip_busy_uids(tmp_path: Path) -> None:
     """Two pools over one range (two backends, or two controllers on one host) never hold the
     same uid at once; a uid some process runs as is never leased; a released one is."""
     first, busy, last = 64001, 64002, 64003
     proc = _as_uid(busy)
     try:
-        assert _wait_busy(busy)
+        await _busy(busy)
         a, b = UidPool(range(first, last + 1), tmp_path), UidPool(range(first, last + 1), tmp_path)
         one, two = a.lease(), b.lease()
         assert one is not None and two is not None
@@ -189,25 +190,20 @@ def test_leases_are_exclusive_and_skip_busy_uids(tmp_path: Path) -> None:
         proc.wait()
 
 
-def _wait_busy(uid: int, timeout: float = 30.0) -> bool:
-    """Whether a process runs as ``uid`` once the one just started has switched to it."""
-    deadline = time.monotonic() + timeout
-    while not uid_busy(uid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+async def _busy(uid: int) -> None:
+    """Wait until a process runs as ``uid`` (the one just started has switched to it)."""
+    await poll(lambda: asyncio.to_thread(uid_busy, uid), bool, timeout=30, what=f"a process as uid {uid}")
 
 
 @root_only
-def test_reclaim_kills_a_lost_runs_uid_unless_another_holds_it(tmp_path: Path) -> None:
+async def test_reclaim_kills_a_lost_runs_uid_unless_another_holds_it(tmp_path: Path) -> None:
     uid = 64010
     pool = UidPool(range(uid, uid + 1), tmp_path)
     held = UidPool(range(uid, uid + 1), tmp_path).lease()
     assert held is not None
     proc = _as_uid(uid)
     try:
-        assert _wait_busy(uid)
+        await _busy(uid)
         assert pool.reclaim(uid) == 0 and proc.poll() is None  # leased by another: its job
         held.release()
         assert pool.reclaim(uid) >= 1
