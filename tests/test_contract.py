@@ -2,7 +2,8 @@
 
 The workflows and activities declare themselves under the contract's names; the worker registers
 exactly the contract's activities; and no other module of the product writes one of those names
-as a string (the SDK sends messages by typed reference to the workflow's methods).
+as a string (the SDK sends a job's messages by typed reference to the workflow's methods, and the
+placement manager's Updates by the contract's names).
 """
 
 from __future__ import annotations
