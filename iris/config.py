@@ -201,6 +201,12 @@ class ClusterConfig(BaseModel):
     # Host paths a sandboxed job also sees, read-only, at the same path (an interpreter or a
     # dataset the jobs need). Never a directory that holds keys or state.
     sandbox_ro_paths: list[str] = Field(default_factory=list)
+    # Operator-shared writable directories (checkpoints, datasets, scratch on a shared filesystem)
+    # every sandboxed job sees read-write at the same path: what one job writes there, every other
+    # job of the cluster can read and change (docs/SECURITY.md, "The job sandbox"). Each must
+    # exist, and the controller refuses at start one that overlaps its state or key directory, or
+    # holds or lies in a system path.
+    sandbox_rw_paths: list[str] = Field(default_factory=list)
     # How long the controller keeps a finished job (its record, log and work directory) before
     # retention removes it (docs/DESIGN.md, "Retention").
     retention_s: float = Field(default=7 * 86_400.0, gt=0)
@@ -218,7 +224,7 @@ class ClusterConfig(BaseModel):
         uid_range(value)
         return value.strip()
 
-    @field_validator("sandbox_ro_paths")
+    @field_validator("sandbox_ro_paths", "sandbox_rw_paths")
     @classmethod
     def _absolute_paths(cls, value: list[str]) -> list[str]:
         for path in value:

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         run_as = resolve_run_as(cluster)
         processes = any(b.kind == "process" for b in cluster.backends)
         # Decided once here (the backends take the same answer); "required" without it is exit 2.
-        sandbox = Sandbox.for_cluster(cluster, args.state_dir) if processes else None
+        sandbox = Sandbox.for_cluster(cluster, args.state_dir, key_dir) if processes else None
         app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)
     except ConfigError as exc:
         print(f"iris controller: {exc}", file=sys.stderr)

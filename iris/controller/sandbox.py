@@ -42,6 +42,7 @@ from functools import cache
 from pathlib import Path
 
 from iris.config import ClusterConfig, ConfigError
+from iris.controller.identity import default_key_dir
 
 log = logging.getLogger("iris.controller.sandbox")
 
@@ -74,10 +75,13 @@ class SandboxView:
     # system path holds it).
     masked: tuple[str, ...] = ()
     host_network: bool = False
+    # Operator-shared writable directories (``sandbox_rw_paths``), (host path, path in the
+    # sandbox): bound read-write into every job's sandbox, after its private /tmp.
+    rw_binds: tuple[tuple[str, str], ...] = ()
 
     def visible(self, path: str) -> bool:
         """Whether ``path`` (absolute, normalized) lies in this view's binds or links."""
-        shown = [dest for _, dest in self.ro_binds] + [link for _, link in self.links]
+        shown = [dest for _, dest in (*self.ro_binds, *self.rw_binds)] + [link for _, link in self.links]
         return _under(path, shown) and not _under(path, self.masked)
 
 
@@ -149,7 +153,12 @@ def bwrap_argv(
 
     for target, link in view.links:
         argv += ["--symlink", target, link]
+    # A read-only bind inside a shared writable directory goes on top of it, after it.
+    shared = [dest for _, dest in view.rw_binds]
+    inside_rw = [(src, dest) for src, dest in view.ro_binds if _under(dest, shared)]
     for src, dest in view.ro_binds:
+        if (src, dest) in inside_rw:
+            continue
         parents(dest)
         argv += ["--ro-bind", src, dest]
         made[dest] = True
@@ -165,6 +174,13 @@ def bwrap_argv(
     for path in view.masked:
         argv += ["--tmpfs", path]
         made[path] = False
+    # After the private tmp dirs, so that a shared directory under /tmp is the host's.
+    for src, dest in view.rw_binds:
+        parents(dest)
+        argv += ["--bind", src, dest]
+        made[dest] = True
+    for src, dest in inside_rw:
+        argv += ["--ro-bind", src, dest]
     parents(str(workdir))
     argv += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--"]
     if uid is not None:
@@ -259,14 +275,50 @@ def gpu_devices(dev: Path = Path("/dev")) -> list[str]:
         return []
 
 
+def shared_rw_binds(paths: Sequence[str], *, protected: Sequence[tuple[str, Path]]) -> list[tuple[str, str]]:
+    """The binds of a cluster's ``sandbox_rw_paths``, (host path, path in the sandbox); ConfigError
+    (one line) for one that is no existing directory, that would make a system path, ``/dev`` or
+    ``/proc`` writable or share the private ``/tmp``, ``/var/tmp`` or ``/dev/shm``, or that overlaps
+    a ``protected`` directory (what, path: the controller's state and key directories)."""
+    binds: list[tuple[str, str]] = []
+    fixed = (*SYSTEM_PATHS, "/dev", "/proc")
+    for path in paths:
+        dest, real = os.path.normpath(path), os.path.realpath(path)
+        where = f"sandbox_rw_paths: {path}"
+        if not os.path.isdir(real):
+            raise ConfigError(f"{where} is not an existing directory")
+        for p in (dest, real):
+            for f in fixed:
+                if _under(p, [f]):
+                    raise ConfigError(f"{where} lies in {f}, which jobs see read-only or not at all")
+                if _under(f, [p]):
+                    raise ConfigError(f"{where} would make {f} writable by every job")
+            for f in PRIVATE_TMP:
+                if _under(f, [p]):
+                    raise ConfigError(f"{where} would share {f}, private to each job, between jobs")
+        for what, prot in protected:
+            prot_real = os.path.realpath(prot)
+            if _under(real, [prot_real]) or _under(prot_real, [real]):
+                raise ConfigError(f"{where} overlaps the controller's {what} {prot}")
+        if (real, dest) not in binds:
+            binds.append((real, dest))
+    return binds
+
+
 def host_view(
-    *, hidden: Sequence[Path], extra_ro: Sequence[str], path_env: str, host_network: bool
+    *,
+    hidden: Sequence[Path],
+    extra_ro: Sequence[str],
+    path_env: str,
+    host_network: bool,
+    rw_binds: Sequence[tuple[str, str]] = (),
 ) -> tuple[SandboxView, list[str]]:
     """This host's view for jobs, and the paths left out of it (each with why).
 
     System paths are bound read-only where they exist; a hidden path (the state dir) inside one
     is covered by an empty tmpfs. The interpreters and ``extra_ro`` are bound unless they lie in a
     system path already, or contain a hidden path (then they are left out, and said so).
+    ``rw_binds`` (from ``shared_rw_binds``, checked already) are bound read-write.
     """
     links: list[tuple[str, str]] = []
     binds: list[tuple[str, str]] = []
@@ -303,6 +355,7 @@ def host_view(
         devices=tuple(gpu_devices()),
         masked=tuple(masked),
         host_network=host_network,
+        rw_binds=tuple(rw_binds),
     )
     return view, skipped
 
@@ -565,6 +618,9 @@ class Sandbox:
             lost.append("sandbox_host_network = true: jobs reach the host's network and loopback services")
         if self.skipped:
             lost.append("not bound: " + ", ".join(self.skipped))
+        if self.view.rw_binds:
+            shared = ", ".join(dest for _, dest in self.view.rw_binds)
+            lost.append(f"every job reads and writes the shared sandbox_rw_paths {shared}")
         if not lost:
             return None
         return f"cluster {self.cluster.name}: job sandbox (bwrap) with less isolation: " + "; ".join(lost)
@@ -585,10 +641,23 @@ class Sandbox:
         )
 
     @classmethod
-    def for_cluster(cls, cluster: ClusterConfig, state_dir: Path) -> Sandbox:
+    def for_cluster(cls, cluster: ClusterConfig, state_dir: Path, key_dir: Path | None = None) -> Sandbox:
         """Decide, once, how this host sandboxes the cluster's jobs: ConfigError when the cluster
-        requires a sandbox the host cannot give, or its uid pool holds an existing account."""
+        requires a sandbox the host cannot give, its uid pool holds an existing account, or a
+        ``sandbox_rw_paths`` entry is refused (``shared_rw_binds``: checked whether or not the
+        host sandboxes). ``key_dir``: the controller's key directory (default as the controller's:
+        ``$IRIS_KEY_DIR``, else the state directory's parent)."""
         sandbox = cls(cluster, Path(state_dir))
+        protected = [
+            ("state directory", Path(state_dir)),
+            ("key directory", key_dir or default_key_dir(Path(state_dir).resolve().parent)),
+            ("uid lease directory", LEASE_DIR),
+        ]
+        auth = cluster.auth
+        for key_file in (auth.private_key_file, auth.public_key_file) if auth is not None else ():
+            if key_file and os.path.isabs(os.path.expanduser(key_file)):
+                protected.append(("key directory", Path(os.path.expanduser(key_file)).parent))
+        rw_binds = shared_rw_binds(cluster.sandbox_rw_paths, protected=protected)
         if cluster.sandbox == "off":
             sandbox.reason = "sandbox = off in the cluster's config"
             return sandbox
@@ -605,6 +674,7 @@ class Sandbox:
                 extra_ro=cluster.sandbox_ro_paths,
                 path_env=sandbox.path_env(),
                 host_network=cluster.sandbox_host_network,
+                rw_binds=rw_binds,
             )
             real_setpriv = os.path.realpath(setpriv) if setpriv else None
             if root and real_setpriv is not None and not view.visible(real_setpriv):
