@@ -153,11 +153,12 @@ def bwrap_argv(
 
     for target, link in view.links:
         argv += ["--symlink", target, link]
-    # A read-only bind inside a shared writable directory goes on top of it, after it.
+    # A read-only bind inside a shared writable directory or a private tmp dir (an interpreter in a
+    # checkout under /tmp) goes on top of it, after it.
     shared = [dest for _, dest in view.rw_binds]
-    inside_rw = [(src, dest) for src, dest in view.ro_binds if _under(dest, shared)]
+    late = [(src, dest) for src, dest in view.ro_binds if _under(dest, [*shared, *PRIVATE_TMP])]
     for src, dest in view.ro_binds:
-        if (src, dest) in inside_rw:
+        if (src, dest) in late:
             continue
         parents(dest)
         argv += ["--ro-bind", src, dest]
@@ -179,8 +180,10 @@ def bwrap_argv(
         parents(dest)
         argv += ["--bind", src, dest]
         made[dest] = True
-    for src, dest in inside_rw:
+    for src, dest in late:
+        parents(dest)
         argv += ["--ro-bind", src, dest]
+        made[dest] = True
     parents(str(workdir))
     argv += ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--"]
     if uid is not None:

@@ -98,6 +98,21 @@ def test_mount_points_parents_are_made_traversable() -> None:
         assert tmp not in dirs
 
 
+def test_an_interpreter_under_tmp_is_bound_over_the_private_tmp() -> None:
+    """A checkout under /tmp (CI clones there) has its venv's interpreter under /tmp: its bind goes
+    on top of the job's private /tmp, after it, with its parents made traversable there; bound
+    before it, the tmpfs would hide it ("cannot start …/.venv/bin/python")."""
+    venv = ("/tmp/ci/.venv", "/tmp/ci/.venv")
+    view = SandboxView(ro_binds=(*VIEW.ro_binds, venv), links=VIEW.links)
+    a = argv(view)
+    tmpfs = a.index("/tmp", a.index("--tmpfs") - 3)
+    assert a[tmpfs - 1] == "--tmpfs"
+    bind = a.index("/tmp/ci/.venv")
+    assert a[bind - 1] == "--ro-bind" and bind > tmpfs
+    i = a.index("/tmp/ci", tmpfs + 1)
+    assert a[i - 3 : i] == ["--perms", "0755", "--dir"] and tmpfs < i < bind
+
+
 def test_a_state_dir_inside_a_system_path_is_masked_and_no_bind_holds_it(tmp_path: Path) -> None:
     state = tmp_path / "data" / "state"
     state.mkdir(parents=True)
