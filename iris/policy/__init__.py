@@ -59,6 +59,7 @@ from iris.policy.routing import (
     resolve_cluster,
     routing_constraints,
 )
+from iris.policy.vetting import Vetting, vet_placement
 
 __all__ = [
     "AVAILABILITY_VERSION",
@@ -88,6 +89,7 @@ __all__ = [
     "PlanRequest",
     "PlanResult",
     "Reservation",
+    "Vetting",
     "WaitKind",
     "WaitingGroup",
     "classify",
@@ -110,5 +112,6 @@ __all__ = [
     "resolve_cluster",
     "routing_constraints",
     "usable_block",
+    "vet_placement",
     "working_capacity",
 ]
