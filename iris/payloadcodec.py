@@ -41,6 +41,8 @@ from iris.config import ConfigError
 # them recognises these payloads.
 ENCODING = b"binary/encrypted"
 KEY_ID_METADATA = "encryption-key-id"
+# Beside a payload a lenient codec could not decrypt: why (``EncryptionCodec(keep_undecryptable=True)``).
+UNDECRYPTABLE_METADATA = "iris-undecryptable"
 # Bound into every tag (associated data) with the key id: a payload cannot be relabelled.
 _AAD_PREFIX = b"iris-payload-v1:"
 _NONCE_BYTES = 12
@@ -224,12 +226,20 @@ def load_keyring() -> Keyring | None:
 class EncryptionCodec(PayloadCodec):
     """AES-256-GCM over whole payloads with the ring's current key; decodes with any key of the
     ring and passes through payloads it did not encode. Without a ring it encrypts nothing and
-    refuses (``PayloadKeyError``) to decode an encrypted payload, saying why."""
+    refuses (``PayloadKeyError``) to decode an encrypted payload, saying why.
 
-    def __init__(self, keyring: Keyring | None) -> None:
+    ``keep_undecryptable`` (the SDK's converter, ``iris.temporal.data_converter``): a payload it
+    cannot decrypt is left as it is, still encrypted, with the reason in its metadata
+    (``UNDECRYPTABLE_METADATA``), instead of failing the whole batch. A worker then never fails a
+    workflow task for ever on one payload someone sent it encrypted under a foreign key (a signal
+    is dropped, a start ends REJECTED: docs/SECURITY.md, "Names and inputs"); the payload
+    converter (iris/payloadconverter.py) raises the reason where a value of it is wanted."""
+
+    def __init__(self, keyring: Keyring | None, *, keep_undecryptable: bool = False) -> None:
         super().__init__()
         self.keyring = keyring
         self._ciphers = {key_id: AESGCM(key) for key_id, key in keyring.keys} if keyring else {}
+        self._keep = keep_undecryptable
 
     def encrypt(self, payload: Payload) -> Payload:
         if self.keyring is None:
@@ -263,5 +273,16 @@ class EncryptionCodec(PayloadCodec):
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         return [self.encrypt(p) for p in payloads]
 
+    def _opened(self, payload: Payload) -> Payload:
+        try:
+            return self.decrypt(payload)
+        except PayloadKeyError as exc:
+            if not self._keep:
+                raise
+            kept = Payload()
+            kept.CopyFrom(payload)
+            kept.metadata[UNDECRYPTABLE_METADATA] = str(exc).encode()
+            return kept
+
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
-        return [self.decrypt(p) for p in payloads]
+        return [self._opened(p) for p in payloads]

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.converter import (
     DataConverter,
     DefaultFailureConverter,
@@ -40,6 +39,7 @@ from iris import tracing
 from iris.config import ConfigError, FederationConfig, TemporalTLSConfig
 from iris.metrics import HISTOGRAM_BUCKETS
 from iris.payloadcodec import EncryptionCodec, Keyring, load_keyring
+from iris.payloadconverter import IrisPayloadConverter
 
 
 def data_converter(keyring: Keyring | None = None) -> DataConverter:
@@ -50,8 +50,9 @@ def data_converter(keyring: Keyring | None = None) -> DataConverter:
     with a line naming its key. With a ring, failure messages and stack traces are encrypted too
     (they may quote a job's input)."""
     return DataConverter(
-        payload_converter_class=PydanticPayloadConverter,
-        payload_codec=EncryptionCodec(keyring),
+        # Never a workflow task failed for ever on one unreadable payload (iris/payloadconverter.py).
+        payload_converter_class=IrisPayloadConverter,
+        payload_codec=EncryptionCodec(keyring, keep_undecryptable=True),
         failure_converter_class=(
             DefaultFailureConverterWithEncodedAttributes if keyring is not None else DefaultFailureConverter
         ),
