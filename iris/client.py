@@ -60,6 +60,13 @@ from iris.contract import (
 from iris.controller.models import MAX_COMMAND_ARGS, MAX_USER_CHARS, LogChunk, validate_job_id
 from iris.inquiry import MAX_POSITION_IDS, DryRunRequest, PositionsAnswer, PositionsRequest
 from iris.jobs import (
+    ARTIFACT_RE,
+    CONTROL_RE,
+    ENV_KEY_RE,
+    JOB_NAME_RE,
+    MAX_ATTRIBUTE_CHARS,
+    MAX_COMMAND_BYTES,
+    MAX_ENV_BYTES,
     MAX_RETRIES,
     MAX_TIMEOUT_S,
     CancelOutcome,
@@ -70,12 +77,14 @@ from iris.jobs import (
     ReplayRequest,
     log_key,
     start_search_attributes,
+    user_prefix,
 )
 from iris.logrelay import LogRelay, RelayedChunk
 from iris.objectstore import StoreError, open_store
 from iris.policy import classify, device_request
 from iris.policy.models import Band, Constraint, Disposition, Op
 from iris.policy.queue import DryRun, QueuePosition
+from iris.policy.reasons import ReasonCode
 from iris.temporal import connect
 from iris.userauth import Action, AuthError, Signer, audience
 
@@ -89,18 +98,18 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _A = TypeVar("_A")
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-MAX_ENV_BYTES = 64 * 1024
-MAX_COMMAND_BYTES = 64 * 1024
-MAX_ATTRIBUTE_CHARS = 128
+# A REJECTED job whose name its owner may take again: the workflow refused the submission itself.
+_REFUSALS = frozenset({ReasonCode.SubmissionRefused, ReasonCode.InvalidSubmission})
+# The submission's limits live with the spec (iris/jobs.py), which the workflow checks too.
+_NAME_RE = JOB_NAME_RE
+_ENV_KEY_RE = ENV_KEY_RE
 # An Update whose workflow task the server failed (e.g. a signal landed while the task completed
 # the run: UNHANDLED_COMMAND) was never accepted; it is sent again, with the same update id.
 UPDATE_ATTEMPTS = 6
 UPDATE_RETRY_FIRST_S = 0.1
 UPDATE_RETRY_MAX_S = 2.0
-_ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
-_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_ARTIFACT_RE = ARTIFACT_RE
+_CONTROL_RE = CONTROL_RE
 # A reader following a running job's log asks its workflow to relay it this often (for twice as long).
 _WANT_LOGS_EVERY_S = 60.0
 # An inquiry that reached the manager as its run was closing (continued as new) is sent again to the
@@ -158,9 +167,7 @@ def current_user() -> str:
     return os.environ.get("IRIS_USER") or getpass.getuser()
 
 
-def _user_prefix(user: str) -> str:
-    local = user.split("@", 1)[0]
-    return re.sub(r"[^A-Za-z0-9._-]", "-", local) or "user"
+_user_prefix = user_prefix
 
 
 def _default_name(command: Sequence[str]) -> str:
@@ -316,7 +323,7 @@ def build_spec(
             f"invalid job id {job_id[:80]!r}: it is reserved for the federation's own workflows; "
             "choose another --job-name"
         )
-    return JobSpec(
+    spec = JobSpec(
         job_id=job_id,
         name=job_name,
         user=who,
@@ -334,6 +341,13 @@ def build_spec(
         max_retries_preemption=max_retries_preemption,
         timeout_s=None if timeout_s is None else float(timeout_s),
     )
+    try:
+        # What the workflow checks in its first task (docs/DESIGN.md, "User → home"): refused here
+        # rather than started and REJECTED.
+        spec.check()
+    except ValueError as exc:
+        raise InvalidJob(str(exc)) from None
+    return spec
 
 
 def python_command(command: Sequence[str]) -> list[str]:
@@ -548,10 +562,46 @@ class AsyncIrisClient:
                 static_details=f"command: {' '.join(spec.command)[:500]}",
             )
         except WorkflowAlreadyStartedError:
-            raise JobAlreadyExists(f"job {spec.job_id} already exists; choose another --job-name") from None
+            await self._start_over_refused(spec)
         except RPCError as exc:
             raise Unavailable(f"cannot start job {spec.job_id}: {exc.message}") from None
         return spec.job_id
+
+    async def _start_over_refused(self, spec: JobSpec) -> None:
+        """The job's id is taken. A name held by a submission the workflow refused (REJECTED as
+        SubmissionRefused or InvalidSubmission: a forged, unsigned or malformed start, perhaps
+        someone else's) is the name's owner's again: the job starts over it. Any other run of it,
+        running or ended (SUCCEEDED, FAILED, KILLED, …), keeps the name: JobAlreadyExists
+        (docs/DESIGN.md, "User → home")."""
+        from workflows.job import JobWorkflow
+
+        taken = JobAlreadyExists(f"job {spec.job_id} already exists; choose another --job-name")
+        handle = self._handle(spec.job_id)
+        try:
+            if (await handle.describe()).status != WorkflowExecutionStatus.COMPLETED:
+                raise taken
+            ended = await self._ended(handle)
+        except RPCError as exc:
+            raise Unavailable(f"cannot start job {spec.job_id}: {exc.message}") from None
+        if ended is None or ended.state is not JobState.REJECTED or ended.reason_code not in _REFUSALS:
+            raise taken
+        try:
+            await self.temporal.start_workflow(
+                JobWorkflow.run,
+                spec,
+                id=job_workflow_id(spec.job_id),
+                task_queue=self.config.temporal.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                # Only over a closed run; the check above said it was a refused one.
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                search_attributes=start_search_attributes(spec),
+                static_summary=spec.summary(),
+                static_details=f"command: {' '.join(spec.command)[:500]}",
+            )
+        except WorkflowAlreadyStartedError:
+            raise taken from None
+        except RPCError as exc:
+            raise Unavailable(f"cannot start job {spec.job_id}: {exc.message}") from None
 
     async def submit(
         self,

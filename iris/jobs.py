@@ -6,21 +6,61 @@ no secrets: credentials stay with each cluster's own configuration.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from enum import StrEnum
 from types import MappingProxyType
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
 from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_REASON, SA_STATE, SA_SUBMITTER
-from iris.controller.models import TIMED_OUT, ControllerJobState
+from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
+from iris.controller.models import (
+    MAX_COMMAND_ARGS,
+    MAX_USER_CHARS,
+    TIMED_OUT,
+    ControllerJobState,
+    LaunchRequest,
+    validate_job_id,
+)
 from iris.defaults import MAX_RETRIES as MAX_RETRIES
 from iris.defaults import MAX_TIMEOUT_S as MAX_TIMEOUT_S
 from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
 from iris.policy.reasons import ReasonCode
+from iris.policy.routing import MAX_COUNT
 from iris.store.models import HandleState
+
+# What a submission may hold (docs/DESIGN.md, "User → home"): ``build_spec`` refuses more with its
+# own one-line messages, and ``JobSpec.check`` refuses whatever it would, in the workflow too.
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ARTIFACT_RE = re.compile(r"(gs|s3)://[a-z0-9][a-z0-9._-]{1,221}/[^\s\x00-\x1f\x7f]+")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+MAX_ENV_BYTES = 64 * 1024
+MAX_COMMAND_BYTES = 64 * 1024
+MAX_ATTRIBUTE_CHARS = 128
+MAX_CONSTRAINTS = 32
+MAX_SCHEDULING_TIMEOUT_S = 30 * 86400.0
+# Submit times a workflow's timers can count from: up to the year 2286, in ms.
+MAX_SUBMIT_MS = 10**13
+
+
+def user_prefix(user: str) -> str:
+    """The first segment of every job id ``user`` submits (``alice@example.com`` → ``alice``):
+    the workflow refuses a job id whose first segment is not its verified signer's."""
+    local = user.split("@", 1)[0]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", local) or "user"
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class JobState(StrEnum):
@@ -249,6 +289,88 @@ class JobSpec(BaseModel):
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     # The submitter's signed statement over this spec (iris/userauth.py); not a secret.
     signature: str = ""
+
+    def check(self) -> None:
+        """ValueError, one line that quotes no value of the env, unless this is a spec the SDK would
+        submit (``iris.client.build_spec``'s limits) and every cluster's launch would take
+        (``LaunchRequest``): the job workflow ends one that is not REJECTED in its first task,
+        before anything is enqueued, reserved or launched (docs/DESIGN.md, "User → home")."""
+        validate_job_id(self.job_id)
+        if not JOB_NAME_RE.fullmatch(self.name):
+            raise ValueError("the job name must be 1-63 letters, digits, '.', '_' or '-'")
+        user = self.user
+        if not user or len(user) > MAX_USER_CHARS or CONTROL_RE.search(user) or not _is_utf8(user):
+            raise ValueError(f"the user must be 1-{MAX_USER_CHARS} UTF-8 characters, no control ones")
+        cmd = self.command
+        if not cmd[0].strip():
+            raise ValueError("the command's program (its first argument) is empty")
+        if len(cmd) > MAX_COMMAND_ARGS:
+            raise ValueError(f"the command has more than {MAX_COMMAND_ARGS} arguments")
+        if any("\x00" in a or not _is_utf8(a) for a in cmd):
+            raise ValueError("the command holds a NUL byte or is not valid UTF-8")
+        if sum(len(a.encode("utf-8")) for a in cmd) > MAX_COMMAND_BYTES:
+            raise ValueError(f"the command is larger than {MAX_COMMAND_BYTES} bytes")
+        for key, value in self.env.items():
+            if not ENV_KEY_RE.fullmatch(key):
+                raise ValueError(f"invalid environment variable name {key[:64]!r}")
+            if "\x00" in value or not _is_utf8(value):
+                raise ValueError(f"environment variable {key} is not a UTF-8 string without NUL bytes")
+        if sum(len(k) + len(v) for k, v in self.env.items()) > MAX_ENV_BYTES:
+            raise ValueError(f"the environment is larger than {MAX_ENV_BYTES} bytes")
+        d = self.device
+        # Its shape is classification's business (a device nothing offers is ShapeMismatch); only
+        # what no cluster could count or name is refused here.
+        if d.count > MAX_COUNT or d.replicas > MAX_COUNT:
+            raise ValueError(f"the device request counts more than {MAX_COUNT} devices or replicas")
+        for text in (d.type, d.variant):
+            if not text.strip() or len(text) > MAX_ATTRIBUTE_CHARS or CONTROL_RE.search(text):
+                raise ValueError(
+                    f"the device type and variant must be 1-{MAX_ATTRIBUTE_CHARS} printable characters"
+                )
+        if len(self.constraints) > MAX_CONSTRAINTS:
+            raise ValueError(f"more than {MAX_CONSTRAINTS} constraints")
+        for c in self.constraints:
+            for text in (c.key, *c.values):
+                if not text.strip() or len(text) > MAX_ATTRIBUTE_CHARS or CONTROL_RE.search(text):
+                    raise ValueError(
+                        f"a constraint's key or value is empty, longer than {MAX_ATTRIBUTE_CHARS} "
+                        "characters or holds a control character"
+                    )
+        pin = self.target_cluster
+        if pin is not None and (not pin.strip() or len(pin) > MAX_ATTRIBUTE_CHARS or CONTROL_RE.search(pin)):
+            raise ValueError(f"the target cluster must be 1-{MAX_ATTRIBUTE_CHARS} printable characters")
+        if len(self.artifacts) > MAX_ARTIFACTS:
+            raise ValueError(f"more than {MAX_ARTIFACTS} artifacts")
+        for uri in self.artifacts:
+            # The destination's check reports a URI it cannot address as missing (the job parks);
+            # only what its check request would refuse is refused here.
+            if not uri.strip() or len(uri) > MAX_URI_CHARS or CONTROL_RE.search(uri):
+                raise ValueError(f"invalid artifact URI {uri[:80]!r}")
+        timeout = self.scheduling_timeout_s
+        if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= MAX_SCHEDULING_TIMEOUT_S):
+            raise ValueError("the scheduling timeout must be between 1s and 30 days")
+        if self.timeout_s is not None and not math.isfinite(self.timeout_s):
+            raise ValueError("the timeout must be a finite number of seconds")
+        if not 0 <= self.submit_ms <= MAX_SUBMIT_MS:
+            raise ValueError("the submit time is out of range")
+        try:
+            LaunchRequest(
+                job_id=self.job_id,
+                command=cmd,
+                env=self.env,
+                device=d,
+                band=self.band,
+                user=user,
+                requester="home",
+                nonce=f"{self.job_id}@{self.submit_ms}",
+                backend_id="backend",
+                bundle=self.bundle,
+                timeout_s=self.timeout_s,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"a cluster's launch would refuse it: {where}: {first['msg']}") from None
 
     def shape(self) -> JobShape:
         deadline = None

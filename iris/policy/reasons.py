@@ -50,8 +50,11 @@ class ReasonCode(StrEnum):
     # queued again as its next attempt (until a tick explains the wait), or ended with no retry left.
     Preempted = "Preempted"
     # Ended at submit: the submission's signed statement did not verify, or its principal may not
-    # submit it.
+    # submit it (another user's job id, a workflow id other than its job id, a band it may not use).
     SubmissionRefused = "SubmissionRefused"
+    # Ended at submit: the workflow's input is not a job spec the SDK would submit (undecodable,
+    # malformed, beyond a limit, or a value a cluster's launch would refuse).
+    InvalidSubmission = "InvalidSubmission"
     # Ended: cancelled by its owner or an admin (before handoff, or terminated on its cluster).
     Cancelled = "Cancelled"
     # Ended: its scheduling timeout passed before any cluster had room.
