@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pwd
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -64,8 +63,15 @@ CONFIGS: dict[str, Path] = {
 }
 
 
-def free_port_config(base: FederationConfig, temporal_address: str) -> FederationConfig:
-    """The demo topology on free ports, so tests never collide with a running `iris dev`."""
+def free_port_config(
+    base: FederationConfig, temporal_address: str, shared_dir: Path | None = None
+) -> FederationConfig:
+    """The demo topology on free ports, so tests never collide with a running `iris dev`.
+
+    Its jobs run as the config says: in the job sandbox (``auto``, a pool uid each under a root
+    controller; docs/SECURITY.md, "The job sandbox"), so the suite sees what the sandbox changes.
+    ``shared_dir`` (an existing directory) joins every cluster's ``sandbox_rw_paths``: where the
+    jobs of a test leave what the test, or the job's next attempt, reads back."""
     cfg = base.model_copy(deep=True)
     cfg.temporal.address = temporal_address
     cfg.temporal.task_queue = "iris-test"
@@ -82,9 +88,8 @@ def free_port_config(base: FederationConfig, temporal_address: str) -> Federatio
     cfg.parked_probe_max_s = 2.0
     for c in cfg.clusters:
         c.port = devstack.free_port()
-        # The suite's jobs run as the test's user, unsandboxed: some pass state between attempts
-        # through the test's temp files (docs/SECURITY.md, "The job sandbox").
-        c.run_as, c.sandbox = pwd.getpwuid(os.geteuid()).pw_name, "off"
+        if shared_dir is not None:
+            c.sandbox_rw_paths = [*c.sandbox_rw_paths, str(shared_dir)]
         if c.object_store is not None:
             port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
             c.object_store.endpoint = f"http://127.0.0.1:{port}"
@@ -124,6 +129,10 @@ class Stack:
     client: Client
     iris: AsyncIrisClient
     store: FederationStore
+    # A directory every job of the stack reads and writes at this path (each cluster's
+    # sandbox_rw_paths; mode 1777): markers and gate files a test shares with its jobs, and state
+    # a job's attempts pass on. A test's own tmp_path is out of its jobs' sight.
+    shared_dir: Path
     backend: Backend = "process"
     services: dict[str, devstack.ManagedProcess] = field(default_factory=dict)
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
@@ -238,7 +247,10 @@ class StackRunner:
             dev_server_startup_timeout=timedelta(seconds=60),
         )
         address = self.env.client.service_client.config.target_host
-        cfg = free_port_config(base, address)
+        shared_dir = self.root / "shared"
+        shared_dir.mkdir(exist_ok=True)
+        shared_dir.chmod(0o1777)  # the jobs' pool uids write there; the sticky bit keeps their files theirs
+        cfg = free_port_config(base, address, shared_dir)
         cfg.temporal.ui_port = self.ui_port
         config_file = self.root / "clusters.json"
         # The users the suite submits as, each with a signing key (iris/userauth.py), registered
@@ -294,6 +306,7 @@ class StackRunner:
             client=self.env.client,
             iris=StackClient(self.env.client, cfg),
             store=self.store,
+            shared_dir=shared_dir,
             backend=self.backend,
             services={s.name: s for s in services},
             proxies=self.proxies,

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import json
 import secrets
-from pathlib import Path
 
 from stack import Stack
 
 from iris.jobs import AttemptEnd, JobState
 
 
-async def test_a_failed_attempt_runs_again_and_each_attempts_output_is_kept(
-    stack: Stack, tmp_path: Path
-) -> None:
-    marker = tmp_path / "tried-once"
+async def test_a_failed_attempt_runs_again_and_each_attempts_output_is_kept(stack: Stack) -> None:
+    # In the stack's shared directory: each attempt runs in a sandbox of its own (tmp_path is out
+    # of its sight), maybe as another pool uid.
+    marker = stack.shared_dir / f"tried-once-{secrets.token_hex(4)}"
     script = f"if [ -e {marker} ]; then echo second; else touch {marker}; echo first; exit 3; fi"
     name = f"retried-{secrets.token_hex(3)}"
     job_id = f"tester/{name}"

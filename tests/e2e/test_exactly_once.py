@@ -640,11 +640,13 @@ async def test_a_pinned_job_that_succeeded_on_a_peer_lost_for_good_is_not_run_ag
 # ---- 3. a task killed on its peer --------------------------------------------------------------
 
 
-async def killed_once(stack: Stack, jobs: list[str], tmp_path: Path) -> tuple[str, str, JobStatus]:
+async def killed_once(stack: Stack, jobs: list[str]) -> tuple[str, str, JobStatus]:
     """A job with --max-retries-failure 1 whose first attempt is SIGKILLed on its peer; the second
     succeeds. Returns the job, the cluster of its first attempt and its final status (the
     workflow's result: what a retried job shows in between is another test's)."""
-    first_ran = tmp_path / "first-attempt-ran"
+    # In the stack's shared directory: the job's attempts run in sandboxes of their own (maybe as
+    # different pool uids), and the test's tmp_path is out of their sight.
+    first_ran = stack.shared_dir / f"first-attempt-ran-{uuid.uuid4().hex}"
     code = (
         "import os, sys, time\n"
         "if os.path.exists(sys.argv[1]):\n"
@@ -675,9 +677,9 @@ async def killed_once(stack: Stack, jobs: list[str], tmp_path: Path) -> tuple[st
 
 @pytest.mark.timeout(180)
 async def test_a_task_killed_on_its_peer_runs_again_and_every_attempt_is_visible(
-    stack: Stack, jobs: list[str], tmp_path: Path
+    stack: Stack, jobs: list[str]
 ) -> None:
-    job_id, cluster, st = await killed_once(stack, jobs, tmp_path)
+    job_id, cluster, st = await killed_once(stack, jobs)
 
     assert st.state is JobState.SUCCEEDED, st.reason
     assert [(a.number, a.end, a.exit_code) for a in st.attempts] == [
@@ -714,10 +716,8 @@ async def shown_states(stack: Stack, job_id: str) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-async def test_a_job_between_two_attempts_is_never_shown_as_ended(
-    stack: Stack, jobs: list[str], tmp_path: Path
-) -> None:
-    job_id, _, st = await killed_once(stack, jobs, tmp_path)
+async def test_a_job_between_two_attempts_is_never_shown_as_ended(stack: Stack, jobs: list[str]) -> None:
+    job_id, _, st = await killed_once(stack, jobs)
     assert st.state is JobState.SUCCEEDED, st.reason
 
     states = await shown_states(stack, job_id)

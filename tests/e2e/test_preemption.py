@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from stack import Stack, wait_until
@@ -106,7 +104,9 @@ async def test_an_interactive_job_reclaims_a_peer_full_of_batch_jobs(stack: Stac
     tick_s = stack.config.tick_interval_s
     grace_s = stack.config.cluster(RNO).preempt_grace_s
     tag = uuid.uuid4().hex[:6]
-    markers = Path(tempfile.mkdtemp(prefix="iris-preempt-"))
+    # In the stack's shared directory (each job's sandbox sees it; a re-queued attempt may run
+    # as another pool uid, and only tests a marker's existence).
+    markers = stack.shared_dir
     sampler = Sampler()
     async with direct(stack) as ctl:
         sampling = asyncio.create_task(sampler.run(ctl))
@@ -115,7 +115,7 @@ async def test_an_interactive_job_reclaims_a_peer_full_of_batch_jobs(stack: Stac
             # next (a marker file tells the attempts apart).
             batch = []
             for i in range(4):
-                marker = markers / f"b{i}"
+                marker = markers / f"preempt-{tag}-b{i}"
                 job_id = await stack.iris.submit(
                     ["sh", "-c", f"test -e {marker} && exit 0; touch {marker}; sleep 120"],
                     name=f"pre-batch-{i}-{tag}",

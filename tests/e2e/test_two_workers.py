@@ -231,6 +231,7 @@ async def two_workers(stack: Stack, tmp_path_factory: pytest.TempPathFactory) ->
                 client=env.client,
                 iris=StackClient(env.client, cfg),
                 store=store,
+                shared_dir=stack.shared_dir,  # in the copied config's sandbox_rw_paths
                 services={p.name: p for p in [*processes, *workers]},
             ),
             workers=workers,
