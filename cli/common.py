@@ -24,6 +24,8 @@ EXIT_JOB_FAILED = 1
 EXIT_INVALID = 2
 EXIT_NOT_FOUND = 3
 EXIT_UNAVAILABLE = 4
+# `iris job run` (waiting): the job parked in HANDOFF_FAILED; `iris ops replay-handoff` moves it on.
+EXIT_PARKED = 5
 EXIT_INTERRUPTED = 130
 
 

@@ -18,7 +18,7 @@ from cli import common
 from iris.defaults import MAX_RETRIES, MAX_TIMEOUT_S
 
 if TYPE_CHECKING:
-    from iris.client import JobSummary
+    from iris.client import AsyncIrisClient, JobSummary
     from iris.jobs import AttemptView, JobSpec, JobStatus
     from iris.policy.queue import DryRun, QueuePosition
 
@@ -281,15 +281,6 @@ def run_command(
         if no_wait:
             return common.EXIT_OK
 
-        printed = 0
-
-        def show(st: JobStatus) -> None:
-            # Every event since the last poll, so fast jobs still tell their whole story.
-            nonlocal printed
-            for ev in st.events[printed:]:
-                typer.echo(f"{_clock(ev.at_ms)} {ev.state.value:<16} {ev.message}", err=True)
-            printed = len(st.events)
-
         async def stream_logs() -> None:
             async for data in client.follow_logs(job_id):
                 sys.stdout.write(data)
@@ -297,7 +288,11 @@ def run_command(
 
         logs = asyncio.create_task(stream_logs())
         try:
-            final = await client.wait(job_id, on_change=show)
+            final = await follow(client, job_id)
+            if final.state is JobState.HANDOFF_FAILED:
+                for line in parked_lines(final):
+                    typer.echo(line, err=True)
+                return common.EXIT_PARKED
             # The relay is complete once the job is terminal: let the stream drain, briefly.
             with contextlib.suppress(TimeoutError, IrisError):
                 await asyncio.wait_for(logs, timeout=30)
@@ -309,6 +304,56 @@ def run_command(
         return common.EXIT_OK if final.state is JobState.SUCCEEDED else common.EXIT_JOB_FAILED
 
     raise typer.Exit(common.run(go()))
+
+
+# How often `iris job run` polls its job, and after how long without a line it says what the job
+# is waiting for (its reason code and reason), again and again while the job waits.
+FOLLOW_POLL_S = 0.25
+WAITING_NOTE_S = 5.0
+
+
+def _event_line(at_ms: int, state: str, message: str) -> str:
+    return f"{_clock(at_ms)} {state:<16} {message}"
+
+
+async def follow(client: AsyncIrisClient, job_id: str) -> JobStatus:
+    """Print the job's events as they happen until it ends, or parks in HANDOFF_FAILED (which
+    only an operator's replay or a cancel moves on: waiting longer would wait for ever). While it
+    waits and nothing was printed for WAITING_NOTE_S, one line says why: its reason code and reason."""
+    import asyncio
+    import time
+
+    from iris.jobs import JobState
+
+    printed = 0
+    quiet_since = time.monotonic()
+    while True:
+        st = await client.describe(job_id)
+        # Every event since the last poll, so fast jobs still tell their whole story.
+        for ev in st.events[printed:]:
+            typer.echo(_event_line(ev.at_ms, ev.state.value, ev.message), err=True)
+            quiet_since = time.monotonic()
+        printed = max(printed, len(st.events))
+        if st.terminal or st.state is JobState.HANDOFF_FAILED:
+            return st
+        if st.state is not JobState.RUNNING and time.monotonic() - quiet_since >= WAITING_NOTE_S:
+            code = f" [{st.reason_code.value}]" if st.reason_code is not None else ""
+            now_ms = int(time.time() * 1000)
+            typer.echo(_event_line(now_ms, st.state.value, f"still waiting{code}: {st.reason}"), err=True)
+            quiet_since = time.monotonic()
+        await asyncio.sleep(FOLLOW_POLL_S)
+
+
+def parked_lines(st: JobStatus) -> list[str]:
+    """What `iris job run` says when its job parks: why, and the exact command that replays it."""
+    code = f" [{st.reason_code.value}]" if st.reason_code is not None else ""
+    return [
+        f"error: {st.job_id} is parked in {st.state.value}{code}: {st.reason}",
+        "  it waits for an operator: once the cause is fixed, replay its handoff with",
+        f"    iris ops replay-handoff {shlex.quote(st.job_id)}",
+        f"  (--peer P for another cluster, --requeue for the queue; iris job cancel {shlex.quote(st.job_id)} "
+        "gives up)",
+    ]
 
 
 def _verdict_rows(report: DryRun) -> list[str]:
