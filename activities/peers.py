@@ -24,6 +24,7 @@ from iris.controller.models import ErrorCode, LaunchRequest
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, StoreUnavailable, open_store
+from iris.policy.models import PeerReport
 from iris.reports import FederationView, gather_reports
 from iris.store import FederationStore
 
@@ -126,6 +127,18 @@ def controller_client(config: FederationConfig, cluster: str, timeout_s: float) 
         raise ApplicationError(f"cannot sign requests to {cluster}: {exc}", non_retryable=True) from None
 
 
+def _last_contacts(view: FederationView, stored: list[PeerReport]) -> list[PeerReport]:
+    """The view's reports, an unreachable cluster's with its last real contact (the store keeps it
+    across ticks and workers), not "never": `iris peers` shows when a silent cluster was last heard."""
+    last = {r.peer_id: r.last_contact_ms for r in stored if r.last_contact_ms is not None}
+    return [
+        r.model_copy(update={"last_contact_ms": last[r.peer_id]})
+        if not r.reachable and r.last_contact_ms is None and r.peer_id in last
+        else r
+        for r in view.reports
+    ]
+
+
 class PeerActivities:
     def __init__(
         self,
@@ -167,8 +180,9 @@ class PeerActivities:
             view = await asyncio.shield(self._reading)
         if self._store is None:
             return view
-        reservations = await asyncio.to_thread(self._store.reservations)
-        return view.model_copy(update={"reservations": reservations})
+        store = self._store
+        reservations, stored = await asyncio.to_thread(lambda: (store.reservations(), store.load_reports()))
+        return view.model_copy(update={"reservations": reservations, "reports": _last_contacts(view, stored)})
 
     async def _read_reports(self) -> FederationView:
         view = await gather_reports(self._config, timeout_s=self._timeout)
