@@ -18,6 +18,7 @@ from typer._click import exceptions as click_exceptions
 
 from cli import common
 from cli.dev import dev_command
+from cli.doctor import doctor_command
 from cli.job import job_app
 from cli.keys import keys_app
 from cli.ops_group import ops_app
@@ -29,7 +30,8 @@ app = typer.Typer(
     help=(
         "Federated ML job scheduler on Temporal: submit once, run wherever capacity exists.\n\n"
         "Exit codes: 0 ok; 1 the job did not succeed; 2 invalid input or rejected job; "
-        "3 not found; 4 a service is unavailable; 130 interrupted."
+        "3 not found; 4 a service is unavailable; 5 the job parked in HANDOFF_FAILED (iris job run: "
+        "it prints the iris ops replay-handoff line to run); 130 interrupted."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -40,6 +42,7 @@ app.add_typer(ops_app, name="ops")
 app.add_typer(rpc_app, name="rpc")
 app.command("peers")(peers_command)
 app.command("dev")(dev_command)
+app.command("doctor")(doctor_command)
 
 
 @app.callback()
