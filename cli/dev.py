@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -21,8 +22,11 @@ from iris.defaults import (
 )
 
 if TYPE_CHECKING:
+    import asyncio
+
     from iris import devstack
     from iris.config import FederationConfig
+    from iris.reports import FederationView
 
 # The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
 RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
@@ -72,12 +76,56 @@ async def _serve(cfg: FederationConfig, data_dir: Path, metrics: list[devstack.M
             scrape = data_dir / "prometheus.yml"
             scrape.write_text(devstack.prometheus_config(metrics))
             typer.echo(f"{'prometheus config':<28} {scrape} (scrapes every endpoint above)")
+            if not await _await_capacity(cfg, stop):
+                return
             typer.echo("\nReady. Try:  uv run iris job run -- echo hello      (Ctrl-C stops everything)")
             await stop.wait()
             typer.echo("\nstopping…")
     finally:
         _STOP.wake = None
         store.close()
+
+
+# `iris dev` says Ready. once every cluster has reported its capacity (a Ray peer's comes when its
+# Ray head has registered its resources); until then, every CAPACITY_NOTE_S, what it waits for.
+CAPACITY_POLL_S = 0.5
+CAPACITY_NOTE_S = 10.0
+
+
+def capacity_missing(view: FederationView) -> list[str]:
+    """Each cluster or backend of ``view`` that has not reported its capacity, and why."""
+    missing = []
+    for r in view.reports:
+        if not r.reachable:
+            missing.append(f"{r.peer_id} (not answering: {r.error or 'no reply'})")
+            continue
+        if not r.backends:
+            missing.append(f"{r.peer_id} (no backends reported)")
+        for b in r.backends:
+            if b.availability is None or not b.availability.total_amounts:
+                missing.append(f"{r.peer_id}/{b.backend_id} (no capacity reported yet)")
+    return missing
+
+
+async def _await_capacity(cfg: FederationConfig, stop: asyncio.Event) -> bool:
+    """Wait until every cluster has reported capacity, saying what is missing every
+    CAPACITY_NOTE_S; False if a stop was asked for meanwhile."""
+    import asyncio
+    import time
+
+    from iris.reports import gather_reports
+
+    noted: float | None = None
+    while not stop.is_set():
+        missing = capacity_missing(await gather_reports(cfg))
+        if not missing:
+            return True
+        if noted is None or time.monotonic() - noted >= CAPACITY_NOTE_S:
+            typer.echo(f"{'waiting for capacity':<28} {'; '.join(missing)}")
+            noted = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), CAPACITY_POLL_S)
+    return False
 
 
 class _Stopper:
