@@ -20,9 +20,9 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any, NoReturn, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import CancelledError as TemporalCancelledError
 
@@ -73,14 +73,19 @@ with workflow.unsafe.imports_passed_through():
         log_key,
         mirrored_state,
         state_code,
+        user_prefix,
     )
+    from iris.payloadconverter import reason as unreadable_reason
+    from iris.payloadconverter import still_encrypted
     from iris.policy import (
         CANCELLED_BEFORE_HANDOFF,
         DEADLINE_PASSED,
         QUEUED_REASON,
+        Vetting,
         classify,
         pick_backend,
         queued_for_peer_reason,
+        vet_placement,
     )
     from iris.policy.models import Band, Classification, Disposition, Placement
     from iris.policy.reasons import ReasonCode
@@ -174,6 +179,22 @@ PREEMPT_PATCH = "preemption-v1"
 # _PROBE_FIRST/_PROBE_MAX (the views' defaults are the same values). Asked in the first task of
 # every run, as FEED_PATCH.
 TIMERS_PATCH = "handoff-timers-v1"
+# Runs with this patch take no internal signal on trust (docs/SECURITY.md, "Internal signals";
+# docs/DESIGN.md, "Messages taken on trust"): a placement is re-checked against the job's pin and
+# constraints and promoted with the job's own reservation (iris/policy/vetting.py, on the view the
+# job was classified with, read again when it cannot vouch); an observation applies only to the
+# attempt whose nonce it carries, a terminal one only once its cluster confirms it, and a silence
+# notice's start is measured, not taken from the notice; an expiry ends only a queued job whose
+# own deadline has passed. A message refused is recorded as an event and ignored. Asked in the
+# first task of every run, as FEED_PATCH.
+SIGNALS_PATCH = "checked-internal-signals-v1"
+# Runs with this patch admit a new job only if its start holds one input, a JobSpec the SDK would
+# submit (JobSpec.check), started under its own job id, and, once its statement verifies, whose
+# job id is under its signer's prefix (iris.jobs.user_prefix); anything else ends REJECTED
+# (InvalidSubmission, SubmissionRefused) in its first task, having started nothing. A start that
+# carries a Carry without continuing a run is one of them. A launch request its cluster would
+# refuse parks the job instead of failing its task. Asked at the top of every run.
+SUBMISSION_PATCH = "checked-submissions-v1"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
@@ -206,6 +227,32 @@ def _refusal(exc: ActivityError) -> bool:
         contract.HANDOFF_REJECTED,
         contract.BUNDLE_UNAVAILABLE,
     )
+
+
+def _read_inputs(inputs: tuple[Any, ...]) -> tuple[JobSpec | None, Carry | None, str | None]:
+    """The run's spec and carry from its untyped inputs, or why they are not a job's (a start
+    holds one input, the signed spec; a continued run also its Carry)."""
+    if not 1 <= len(inputs) <= 2:
+        return None, None, f"a job's start holds one input, its signed spec, not {len(inputs)}"
+    values: list[BaseModel | None] = []
+    models: tuple[type[BaseModel], ...] = (JobSpec, Carry)
+    for model, value in zip(models, inputs, strict=False):
+        if isinstance(value, RawValue):
+            return None, None, f"its input cannot be read ({unreadable_reason(value.payload)})"
+        if value is None and model is Carry:
+            values.append(None)
+            continue
+        try:
+            values.append(model.model_validate(value))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the input"
+            what = "spec" if model is JobSpec else "carry"
+            return None, None, f"its input is not a job {what}: {where[:80]}: {first['msg'][:120]}"
+    spec = values[0]
+    carry = values[1] if len(values) > 1 else None
+    assert isinstance(spec, JobSpec) and (carry is None or isinstance(carry, Carry))
+    return spec, carry, None
 
 
 class _Ended(Exception):
@@ -360,6 +407,12 @@ class _Job:
     preemption: bool = False
     # Whether this run takes its handoff retries and parked probes from ``view`` (TIMERS_PATCH).
     timers: bool = False
+    # Whether this run re-checks the tick's and the watchers' signals (SIGNALS_PATCH), and its
+    # start input (SUBMISSION_PATCH).
+    wary: bool = False
+    checked: bool = False
+    # ``placement`` is an operator's verified replay, not a signal: it is promoted as it is.
+    vouched: bool = False
 
     @property
     def incarnation(self) -> str:
@@ -380,23 +433,22 @@ class _Job:
 @workflow.defn(name=contract.JOB_WORKFLOW)
 class JobWorkflow:
     @workflow.init
-    def __init__(self, spec: JobSpec, carry: Carry | None = None) -> None:
-        # A start carries one payload (the spec) for two parameters, and the SDK then decodes it
-        # without the type hints: as a plain dict. A continued run's two payloads are typed.
-        spec = JobSpec.model_validate(spec)
+    def __init__(self, *inputs: Any) -> None:
+        # A start carries one payload (the spec), a continued run two (the spec and its Carry).
+        # Both are taken untyped (the SDK decodes a start untyped anyway: one payload for two
+        # parameters) and validated here; an input that is not a spec, or that cannot be read
+        # (iris/payloadconverter.py), is refused in run()'s first task (SUBMISSION_PATCH), never
+        # a task failed for ever.
+        spec, carry, self._refused_input = _read_inputs(inputs)
+        self._sealed_input = any(isinstance(v, RawValue) and still_encrypted(v.payload) for v in inputs)
+        # A Carry comes only from the run this one continues; a raw start with one is refused.
+        self._forged_carry = carry is not None and workflow.info().continued_run_id is None
         # Built here, not in run(): a query, signal or Update can arrive in the very first task,
         # before run() starts (e.g. a cancel right after submit).
-        status = JobStatus(
-            job_id=spec.job_id,
-            state=JobState.CLASSIFYING,
-            reason="Classifying against the federation's capacity reports",
-            reason_code=ReasonCode.Pending,
-            submit_ms=spec.submit_ms,
-            updated_ms=spec.submit_ms,
-            spec=spec,
-        )
-        self._job = _Job(spec=spec, status=status)
+        self._job = self._fresh = self._new_job(spec)
+        self._carry = carry
         if carry is not None:
+            assert spec is not None
             self._job = _Job(
                 spec=spec,
                 status=carry.status,
@@ -424,6 +476,24 @@ class JobWorkflow:
                 seen_version=carry.seen_version,
                 logs_until_ms=carry.logs_until_ms,
             )
+
+    @staticmethod
+    def _new_job(spec: JobSpec | None) -> _Job:
+        """A job about to be classified; ``spec`` None: its input is refused (a stand-in spec)."""
+        given = spec
+        if spec is None:
+            stand_in = workflow.info().workflow_id[:256]
+            spec = JobSpec(job_id=stand_in, name="-", user="-", command=["-"])
+        status = JobStatus(
+            job_id=spec.job_id,
+            state=JobState.CLASSIFYING,
+            reason="Classifying against the federation's capacity reports",
+            reason_code=ReasonCode.Pending,
+            submit_ms=spec.submit_ms,
+            updated_ms=spec.submit_ms,
+            spec=given,
+        )
+        return _Job(spec=spec, status=status)
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -459,8 +529,14 @@ class JobWorkflow:
 
     @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:
-        """From the placement tick: the scheduling deadline passed."""
-        self._job.expire = True
+        """From the placement tick: the scheduling deadline passed. Whoever sent it, it ends only a
+        queued job whose own deadline has passed (SIGNALS_PATCH, ``_wait_for_placement``)."""
+        job = self._job
+        if job.wary and not job.waiting_in_queue:
+            # Kept pending, it would also keep the run from continuing as new.
+            self._event(job.status.state, f"ignored expiry: the job is {job.status.state.value}, not queued")
+            return
+        job.expire = True
 
     @workflow.signal(name=contract.OBSERVE)
     def observe(self, seen: Observation) -> None:
@@ -730,7 +806,7 @@ class JobWorkflow:
     # ---- the lifecycle --------------------------------------------------------------------
 
     @workflow.run
-    async def run(self, spec: JobSpec, carry: Carry | None = None) -> JobStatus:
+    async def run(self, *inputs: Any) -> JobStatus:
         if contract.is_internal_workflow_id(workflow.info().workflow_id):
             # A raw Temporal start past the SDK's check (docs/DESIGN.md, "The Temporal contract"):
             # fail at once, before any command, so the id is free for the workflow it belongs to.
@@ -739,7 +815,21 @@ class JobWorkflow:
                 "own workflows: not a job id",
                 non_retryable=True,
             )
+        carry = self._carry
+        if self._sealed_input and workflow.unsafe.is_replaying():
+            # Read before (the run went on), unreadable now: this process lacks a key of the ring.
+            # The task (or a replay) fails with that, as the codec itself used to fail it; only a
+            # new start that no key here opens is refused (``_admit``).
+            raise RuntimeError(self._refused_input)
+        # First of all: whether this run's input is checked decides which job it is.
+        checked = workflow.patched(SUBMISSION_PATCH)
+        if not checked and self._refused_input is not None:
+            raise ValueError(self._refused_input)  # before the patch: the task failed (for ever)
+        if checked and self._forged_carry:
+            # A raw start with a Carry: a new job, refused in its first task (``_admit``).
+            self._job, carry = self._fresh, None
         job = self._job
+        job.checked = checked
         # First, so that every reason this run sets is upserted alike (see REASON_PATCH). The
         # visibility store holds what the client set at start, or what the run that continued
         # as new last upserted.
@@ -765,6 +855,7 @@ class JobWorkflow:
         job.feed = workflow.patched(FEED_PATCH)
         job.preemption = workflow.patched(PREEMPT_PATCH)
         job.timers = workflow.patched(TIMERS_PATCH)
+        job.wary = workflow.patched(SIGNALS_PATCH)
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -782,6 +873,8 @@ class JobWorkflow:
         return job.status
 
     async def _lifecycle(self, authenticating: bool = False) -> None:
+        if self._job.checked:
+            await self._admit()
         if authenticating:
             await self._authenticate()
         view, decision = await self._classify()
@@ -820,8 +913,50 @@ class JobWorkflow:
             await self._finish(
                 JobState.REJECTED, f"submission refused: {exc.message}", ReasonCode.SubmissionRefused
             )
+        prefix = user_prefix(principal.name)
+        if job.checked and not job.spec.job_id.startswith(f"{prefix}/"):
+            # Another user's name: the job would run, and hold the name, as theirs.
+            await self._finish(
+                JobState.REJECTED,
+                f"submission refused: job id {job.spec.job_id[:80]!r} is not under {prefix}/, the "
+                f"job ids of its signer {principal.name[:64]}",
+                ReasonCode.SubmissionRefused,
+            )
         job.principal = principal.name
         self._event(JobState.CLASSIFYING, f"submitted by {principal.name} (signature verified)")
+
+    async def _admit(self) -> None:
+        """SUBMISSION_PATCH: a start whose input is not one JobSpec the SDK would submit, or that
+        runs under another workflow id than its job id, ends REJECTED here, in its first task,
+        before anything is verified, enqueued, reserved or launched (docs/DESIGN.md, "User →
+        home")."""
+        job = self._job
+        why = self._refused_input
+        if why is None and self._forged_carry:
+            why = (
+                "a new job's start holds one input, its signed spec (a carry comes only from the run "
+                "it continues)"
+            )
+        if why is not None:
+            await self._finish(JobState.REJECTED, f"submission refused: {why}", ReasonCode.InvalidSubmission)
+        try:
+            job.spec.check()
+        except ValueError as exc:
+            await self._finish(
+                JobState.REJECTED,
+                f"submission refused: invalid job spec: {exc}",
+                ReasonCode.InvalidSubmission,
+            )
+        workflow_id = workflow.info().workflow_id
+        if workflow_id != contract.job_workflow_id(job.spec.job_id):
+            # A captured signed spec started under another id: the tick and the watchers signal it
+            # by its job id, so it would wait for ever; its statement binds that job id only.
+            await self._finish(
+                JobState.REJECTED,
+                f"submission refused: the signed spec is job {job.spec.job_id[:80]!r}, started as "
+                f"workflow {workflow_id[:80]!r}",
+                ReasonCode.SubmissionRefused,
+            )
 
     async def _resume(self, carry: Carry) -> None:
         """Pick the job up where the run that continued as new left it."""
@@ -990,41 +1125,95 @@ class JobWorkflow:
         return chosen or ""
 
     async def _await_promotion(self) -> Placement:
-        """Wait for a placement, then promote by CAS; a CAS that loses to nothing final waits again."""
+        """Wait for a placement, then promote by CAS; a CAS that loses to nothing final waits again.
+        A placement the tick signalled is vetted first (SIGNALS_PATCH), an operator's replay not."""
+        job = self._job
         while True:
             placement = await self._wait_for_placement()
+            vouched, job.vouched = job.vouched, False
+            if job.wary and not vouched:
+                vetted = await self._vetted(placement)
+                if vetted is None:
+                    continue
+                placement = vetted
             promoted = await self._promote(placement)
             if promoted is not None:
                 self._queue_waited()
                 return promoted
 
     async def _wait_for_placement(self) -> Placement:
-        """The tick's (or an operator's) placement; a cancel or the deadline ends the job instead."""
+        """The tick's (or an operator's) placement; a cancel or the deadline ends the job instead.
+        With SIGNALS_PATCH an ``expire`` signal before the job's own deadline is ignored."""
         job = self._job
         deadline_ms = job.spec.shape().deadline_ms
         while True:
-            timeout = None
-            if deadline_ms is not None:
-                timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
-            try:
-                await workflow.wait_condition(
-                    lambda: not self._quiet() or self._continue_due(), timeout=timeout
+            own_timer = False
+            while True:
+                timeout = None
+                if deadline_ms is not None:
+                    timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
+                try:
+                    await workflow.wait_condition(
+                        lambda: not self._quiet() or self._continue_due(), timeout=timeout
+                    )
+                except TimeoutError:
+                    job.expire = own_timer = True
+                if not self._quiet():
+                    break
+                await self._continue_as_new(Phase.QUEUED)
+            if job.cancel is not None:
+                await self._cancel_queued()
+            if job.expire and job.wary and not own_timer and not self._deadline_passed(deadline_ms):
+                job.expire = False
+                due = "the job has no scheduling deadline"
+                if deadline_ms is not None:
+                    due = f"the job's deadline is {(deadline_ms - self._now_ms()) / 1000:.0f}s away"
+                self._event(job.status.state, f"ignored expiry: {due}")
+                if job.placement is None:
+                    continue
+            if job.expire:
+                await self._store_step(
+                    StoreActivities.expire_job,
+                    ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation),
                 )
-            except TimeoutError:
-                job.expire = True
-            if not self._quiet():
-                break
-            await self._continue_as_new(Phase.QUEUED)
-        if job.cancel is not None:
-            await self._cancel_queued()
-        if job.expire:
-            await self._store_step(
-                StoreActivities.expire_job, ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation)
-            )
-            await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
-        placement, job.placement = job.placement, None
-        assert placement is not None
-        return placement
+                await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
+            placement, job.placement = job.placement, None
+            assert placement is not None
+            return placement
+
+    def _deadline_passed(self, deadline_ms: int | None) -> bool:
+        return deadline_ms is not None and self._now_ms() >= deadline_ms
+
+    async def _vetted(self, offer: Placement) -> Placement | None:
+        """The placement to promote for the ``place`` signal ``offer``: its cluster and backend
+        re-checked against the job's pin and constraints, with the job's own reservation
+        (iris/policy/vetting.py), on the view the job was classified with, read again when that
+        view cannot vouch for it. None: refused, recorded as an event; the job waits on."""
+        job = self._job
+        assert job.view is not None
+        verdict = self._vet(offer, job.view)
+        if not verdict.vouched:
+            try:
+                job.view = await workflow.execute_activity_method(
+                    PeerActivities.fetch_reports, start_to_close_timeout=_QUICK, retry_policy=_REPORTS_RETRY
+                )
+            except ActivityError as exc:
+                if _is_cancellation(exc):
+                    raise
+            else:
+                verdict = self._vet(offer, job.view)
+        if verdict.placement is None:
+            target = f"{offer.peer_id[:80]}/{offer.backend_id[:80] or '-'}"
+            self._event(job.status.state, f"ignored placement {target}: {verdict.refusal}")
+            return None
+        return verdict.placement
+
+    def _vet(self, offer: Placement, view: FederationView) -> Vetting:
+        report = view.report(offer.peer_id)
+        backends = list(report.backends) if report is not None else []
+        if not backends:
+            backends = list(view.configured.get(offer.peer_id, ()))
+        return vet_placement(self._job.spec.shape(), offer, pin=self._job.pin, backends=backends)
 
     def _metric_labels(self) -> dict[str, str]:
         spec = self._job.spec
@@ -1213,21 +1402,30 @@ class JobWorkflow:
         await self._clear_stale(cluster)
         self._attempt_started(cluster, backend)
         spec = job.spec
-        request = LaunchRequest(
-            job_id=spec.job_id,
-            command=spec.command,
-            env=spec.env,
-            device=spec.device,
-            band=spec.band,
-            # The verified principal: a peer's allowed_submitters judges who signed, not a claim.
-            user=job.principal or spec.user,
-            requester=view.home,
-            nonce=job.nonce,
-            backend_id=backend,
-            bundle=bundle,
-            timeout_s=spec.timeout_s,
-            preemptions=job.preemptions_retried,
-        )
+        try:
+            request = LaunchRequest(
+                job_id=spec.job_id,
+                command=spec.command,
+                env=spec.env,
+                device=spec.device,
+                band=spec.band,
+                # The verified principal: a peer's allowed_submitters judges who signed, not a claim.
+                user=job.principal or spec.user,
+                requester=view.home,
+                nonce=job.nonce,
+                backend_id=backend,
+                bundle=bundle,
+                timeout_s=spec.timeout_s,
+                preemptions=job.preemptions_retried,
+            )
+        except ValidationError as exc:
+            if not job.checked:
+                raise
+            # No backend known on the cluster, say (SUBMISSION_PATCH): parked, not a task failed
+            # for ever. Nothing was sent.
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise _Parked(f"Cannot hand off to {cluster}: {where}: {first['msg'][:120]}") from None
         try:
             # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
             # terminates on the peer (a swallowed cancel would let the job run on).
@@ -1469,6 +1667,7 @@ class JobWorkflow:
                 forced=True,
                 reason="operator replay",
             )
+            job.vouched = True
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 
@@ -1547,6 +1746,8 @@ class JobWorkflow:
         if not remote.terminal:
             self._apply(remote)
         feed = job.feed and job.view is not None and job.view.mirror_safety_poll_s > 0
+        # Ask the cluster at once rather than wait for the watcher (an end it could not confirm).
+        ask_now = False
         while not remote.terminal:
             if job.cancel is not None and not terminated:
                 terminated = True
@@ -1556,9 +1757,22 @@ class JobWorkflow:
                 continue
             max_wait_s = _FOLLOW_MAX_WAIT.total_seconds()
             if feed and not terminated:
-                if silent_since is None:
+                if silent_since is None and not ask_now:
                     seen = await self._await_news()
                     if self._cancel_unsent(terminated):
+                        continue
+                    if seen is not None and job.wary:
+                        seen = self._for_attempt(seen, cluster, nonce)
+                    if seen is not None and seen.status is not None and seen.status.terminal and job.wary:
+                        # An end is believed only as its cluster reports it (SIGNALS_PATCH).
+                        confirmed = await self._confirmed_end(cluster, nonce, seen.status)
+                        if confirmed is None:
+                            ask_now = True  # follow_job, by the nonce, says what became of it
+                            continue
+                        remote = confirmed
+                        if remote.terminal:
+                            break
+                        self._apply(remote)
                         continue
                     if seen is not None and seen.status is not None:
                         remote = seen.status
@@ -1574,9 +1788,11 @@ class JobWorkflow:
                             remote=remote,
                         )
                         continue
-                    if seen is not None and seen.silent_since_ms is not None:
+                    if seen is not None and seen.silent_since_ms is not None and not job.wary:
                         # Its silence counts from when the watcher first saw it, not from now.
+                        # (SIGNALS_PATCH: from what follow_job measures; a notice is not proof.)
                         silent_since = min(seen.silent_since_ms, self._now_ms())
+                ask_now = False
                 # A silence notice, the safety poll, or a reader of the log: ask the cluster, at
                 # once (one answer), or relaying the log every second while a reader wants it.
                 max_wait_s = max(0.0, min(max_wait_s, (job.logs_until_ms - self._now_ms()) / 1000))
@@ -1624,6 +1840,8 @@ class JobWorkflow:
                 continue
             silent_since = None
             remote = followed.status
+            if job.wary:
+                self._seen(remote)
             if remote.terminal:
                 break
             self._apply(remote)
@@ -1759,6 +1977,66 @@ class JobWorkflow:
             await workflow.wait_condition(self._news, timeout=timedelta(seconds=due_s))
         seen, job.observed = job.observed, None
         return seen
+
+    def _for_attempt(self, seen: Observation, cluster: str, nonce: str) -> Observation | None:
+        """``seen`` if it is about the attempt being followed (SIGNALS_PATCH); one kept from an
+        earlier attempt (it arrived before that attempt's end was acted on) or about another
+        cluster is recorded and dropped: it never moves this attempt."""
+        job = self._job
+        status = seen.status
+        if seen.cluster != cluster or (status is not None and status.nonce != nonce):
+            about = f"{status.nonce[:120]!r} ({status.state.value})" if status is not None else "its silence"
+            self._event(
+                job.status.state,
+                f"ignored an observation of {seen.cluster[:80]} about {about}: attempt {job.attempt} "
+                f"is {nonce!r} on {cluster}",
+            )
+            return None
+        return seen
+
+    async def _confirmed_end(
+        self, cluster: str, nonce: str, claimed: ControllerJobStatus
+    ) -> ControllerJobStatus | None:
+        """An observation says the attempt ended: read the job from its cluster (its output relayed
+        home if it did). The cluster's status of this attempt, terminal or not, with the claim
+        recorded and ignored if the cluster says otherwise; None if the cluster does not say (it
+        is silent, has forgotten the job or runs another attempt of it)."""
+        job = self._job
+        said = f"an observation says attempt {job.attempt} on {cluster} is {claimed.state.value}"
+        try:
+            actual = await workflow.execute_activity_method(
+                PeerActivities.mirror_job,
+                MirrorInput(
+                    cluster=cluster,
+                    job_id=job.spec.job_id,
+                    known_state=None,
+                    log_key=log_key(job.spec.job_id, job.attempt),
+                ),
+                start_to_close_timeout=_QUICK,
+                # Not longer: a silent cluster's silence is then judged by follow_job.
+                schedule_to_close_timeout=timedelta(seconds=min(job.lost_after_s, 120.0)),
+                retry_policy=_MIRROR_RETRY,
+            )
+        except ActivityError as exc:
+            if _is_cancellation(exc):
+                raise
+            self._event(
+                job.status.state, f"ignored: {said}, and {cluster} does not confirm it ({exc.cause or exc})"
+            )
+            return None
+        self._seen(actual)
+        if actual.nonce != nonce:
+            self._event(job.status.state, f"ignored: {said}, and {cluster} runs another attempt of the job")
+            return None
+        if not actual.terminal or actual.state is not claimed.state:
+            self._event(job.status.state, f"ignored: {said}; {cluster} reports {actual.state.value}")
+        return actual
+
+    def _seen(self, status: ControllerJobStatus) -> None:
+        """The cluster's own word on the attempt: its feed version, not an observation's claim, is
+        the newest seen (a forged version cannot keep the watcher's next ones out)."""
+        if status.epoch:
+            self._job.seen_version = (status.epoch, status.version)
 
     def _news(self) -> bool:
         job = self._job

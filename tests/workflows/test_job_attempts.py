@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from job_doubles import (
+    OTHER_BACKEND,
     OTHER_PEER,
     PEER,
     Accept,
@@ -217,7 +218,7 @@ async def test_a_cluster_silent_past_peer_lost_after_loses_the_attempt_which_run
     assert float(lost.reason.split("for ")[1].rstrip("s")) >= LOST_AFTER_S
 
     fake.mirror = [ControllerJobState.SUCCEEDED]
-    await fed.place(handle, OTHER_PEER)
+    await fed.place(handle, OTHER_PEER, OTHER_BACKEND)
     st = await fed.skip_to_end(handle)
 
     assert (st.state, st.cluster) == (JobState.SUCCEEDED, OTHER_PEER)

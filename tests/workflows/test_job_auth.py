@@ -180,7 +180,7 @@ async def test_an_unverified_submission_ends_rejected_and_starts_nothing(
 async def test_an_admins_production_job_is_accepted(auth_fed: Federation) -> None:
     fed = auth_fed
     spec = gpu_spec("prod", fed.now_ms, band=Band.PRODUCTION)
-    spec = spec.model_copy(update={"user": ROOT})
+    spec = spec.model_copy(update={"user": ROOT, "job_id": spec.job_id.replace(ALICE, ROOT, 1)})
     handle = await submit(fed, spec, as_=ROOT)
     st = await wait_for_state(handle, JobState.QUEUED_HANDOFF)
     assert "submitted by root-admin (signature verified)" in messages(st)

@@ -4,8 +4,9 @@ UNSCHEDULABLE and never promoted. Time skipping: an hour-long deadline passes in
 
 from __future__ import annotations
 
-from job_doubles import Federation, gpu_spec, status
+from job_doubles import Federation, gpu_spec, status, wait_for
 
+from iris import contract
 from iris.jobs import JobState
 from iris.policy import DEADLINE_PASSED
 from iris.store.models import HandleState
@@ -35,23 +36,32 @@ async def test_the_deadline_does_not_pass_early(fed: Federation) -> None:
     assert fed.fake.expired == []
 
 
-async def test_the_ticks_expire_signal_makes_a_queued_job_unschedulable(fed: Federation) -> None:
-    spec = gpu_spec("expire", fed.now_ms)
+async def test_the_ticks_expire_signal_ends_a_queued_job_only_past_its_deadline(fed: Federation) -> None:
+    """Whoever sends it, an expiry before the job's own deadline is recorded and ignored
+    (docs/SECURITY.md, "Internal signals"); the deadline then ends the job."""
+    spec = gpu_spec("expire", fed.now_ms, scheduling_timeout_s=3600)
     handle = await fed.queued(spec)
 
     await handle.signal(JobWorkflow.expire)
-    st = await fed.result(handle)
+    st = await wait_for(handle, lambda s: any("ignored expiry" in e.message for e in s.events), "ignored it")
+    assert st.state is JobState.QUEUED_HANDOFF and fed.fake.expired == []
 
+    await fed.env.sleep(3601)
+    st = await fed.result(handle)
     assert (st.state, st.reason) == (JobState.UNSCHEDULABLE, DEADLINE_PASSED)
     assert fed.fake.expired == [spec.job_id]
 
 
 async def test_a_placement_after_the_deadline_is_never_promoted(fed: Federation) -> None:
-    """The tick's expiry, then (a late tick) a placement: no CAS is attempted."""
-    handle = await fed.queued(gpu_spec("both", fed.now_ms))
+    """The tick's expiry, then (a late tick) a placement, both for a job past its deadline while it
+    is still being classified: no CAS is attempted."""
+    fed.fake.hold(contract.FETCH_REPORTS)
+    handle = await fed.start(gpu_spec("both", fed.now_ms - 7_200_000, scheduling_timeout_s=3600))
+    await fed.fake.reached(contract.FETCH_REPORTS)
 
     await handle.signal(JobWorkflow.expire)
     await fed.place(handle)
+    fed.fake.release(contract.FETCH_REPORTS)
     st = await fed.result(handle)
 
     assert st.state is JobState.UNSCHEDULABLE

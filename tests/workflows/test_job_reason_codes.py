@@ -128,8 +128,8 @@ async def _cancelled(fed: Federation) -> Handle:
 
 
 async def _deadline(fed: Federation) -> Handle:
-    handle = await fed.queued(gpu_spec("late", fed.now_ms))
-    await handle.signal(JobWorkflow.expire)
+    handle = await fed.queued(gpu_spec("late", fed.now_ms, scheduling_timeout_s=600))
+    await fed.env.sleep(601)
     return handle
 
 
