@@ -31,16 +31,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from determinism.history_files import load as load_history  # noqa: E402
 from stack import Stack, StackRunner  # noqa: E402
 from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
+from activities.watch import Observation  # noqa: E402
 from cli.ops import DeterminismReport, replay_histories  # noqa: E402
 from iris import contract  # noqa: E402
 from iris.client import build_spec  # noqa: E402
 from iris.contract import JOB_WORKFLOW, peer_watch_workflow_id  # noqa: E402
+from iris.controller.models import ControllerJobState  # noqa: E402
+from iris.controller.models import JobStatus as ControllerJobStatus  # noqa: E402
 from iris.jobs import CancelRequest, JobSpec, JobState, JobStatus, start_search_attributes  # noqa: E402
-from iris.policy.models import DeviceRequest  # noqa: E402
+from iris.policy.models import Band, DeviceRequest, Placement  # noqa: E402
 from iris.policy.reasons import ReasonCode  # noqa: E402
 from iris.userauth import Action  # noqa: E402
 
@@ -413,6 +417,88 @@ async def launch_unanswered_adopted(stack: Stack) -> str:
     return job_id
 
 
+async def _event(stack: Stack, job_id: str, prefix: str, within: float = 60.0) -> JobStatus:
+    deadline = time.monotonic() + within
+    while True:
+        status = await stack.iris.describe(job_id)
+        if any(e.message.startswith(prefix) for e in status.events):
+            return status
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{job_id} never recorded {prefix!r}: {status.reason}")
+        await asyncio.sleep(0.2)
+
+
+async def forged_place_and_expire_ignored(stack: Stack) -> str:
+    """SIGNALS_PATCH: a queued `--zone us-east-02a --no-preemptible` job (24 chips: it fits nowhere)
+    gets a forged expire (it has no deadline) and a forged place to cw-rno2a (another zone,
+    preemptible): both are recorded and ignored (the reports read again before the placement is
+    refused); its owner then cancels it."""
+    job_id = await _submit(
+        stack, "forged-place", ["true"], replicas=3, zone="us-east-02a", preemptible=False, **H100
+    )
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    handle = stack.client.get_workflow_handle(job_id)
+    await handle.signal(contract.EXPIRE)
+    await _event(stack, job_id, "ignored expiry")
+    forged = Placement(job_id=job_id, peer_id="cw-rno2a", backend_id="h100-rno2a")
+    await handle.signal(contract.PLACE, forged)
+    await _event(stack, job_id, "ignored placement")
+    await stack.iris.cancel(job_id)
+    await _state(stack, job_id, JobState.KILLED)
+    return job_id
+
+
+async def forged_observe_ignored(stack: Stack) -> str:
+    """SIGNALS_PATCH: a running job's watcher-followed attempt gets a forged SUCCEEDED for its nonce;
+    the end is read back from its cluster (RUNNING), recorded and ignored; the job then ends as it
+    would have."""
+    job_id = await _submit(
+        stack, "forged-observe", ["sh", "-c", "sleep 4; echo done"], target_cluster="cw-us-east-02a"
+    )
+    status = await _state(stack, job_id, JobState.RUNNING)
+    attempt = status.attempts[-1]
+    forged = Observation(
+        cluster=attempt.cluster,
+        status=ControllerJobStatus(
+            job_id=job_id,
+            state=ControllerJobState.SUCCEEDED,
+            backend_id=attempt.backend_id,
+            exit_code=0,
+            created_ms=attempt.started_ms,
+            band=Band.INTERACTIVE,
+            user=USER,
+            requester=stack.config.home,
+            nonce=attempt.nonce,
+            epoch="forged",
+            version=2**62,
+        ),
+    )
+    await stack.client.get_workflow_handle(job_id).signal(contract.OBSERVE, forged)
+    await _event(stack, job_id, "ignored:")
+    await _state(stack, job_id, JobState.SUCCEEDED, within=120)
+    return job_id
+
+
+async def malformed_start_rejected(stack: Stack) -> str:
+    """SUBMISSION_PATCH: a raw start with `{}` ends REJECTED (InvalidSubmission) in its first task."""
+    job_id = f"recorder/hist-malformed-{int(time.time() * 1000)}"
+    await stack.client.start_workflow(
+        JOB_WORKFLOW, {}, id=job_id, task_queue=stack.config.temporal.task_queue
+    )
+    await _code(stack, job_id, ReasonCode.InvalidSubmission)
+    return job_id
+
+
+async def foreign_name_rejected(stack: Stack) -> str:
+    """SUBMISSION_PATCH: eve signs, as herself, a spec under recorder's name: her statement
+    verifies, the name is not hers: REJECTED (SubmissionRefused), having started nothing."""
+    spec = build_spec(["true"], name=f"hist-foreign-{int(time.time())}", user="eve@evil.example")
+    spec = spec.model_copy(update={"job_id": spec.job_id.replace("eve/", "recorder/", 1)})
+    await _start_raw(stack, _signed(stack, spec))
+    await _code(stack, spec.job_id, ReasonCode.SubmissionRefused)
+    return spec.job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -449,6 +535,10 @@ SCENARIOS = [
     Scenario("explained_then_run", explained_then_run, alone=True),
     Scenario("preempted_requeued", preempted_requeued, alone=True),
     Scenario("launch_unanswered_adopted", launch_unanswered_adopted, alone=True),
+    Scenario("forged_place_and_expire_ignored", forged_place_and_expire_ignored),
+    Scenario("forged_observe_ignored", forged_observe_ignored),
+    Scenario("malformed_start_rejected", malformed_start_rejected),
+    Scenario("foreign_name_rejected", foreign_name_rejected),
 ]
 MANAGER = "placement_manager"
 WATCHER = "peer_watch"
@@ -527,7 +617,7 @@ async def _replay(paths: list[Path]) -> DeterminismReport:
 
     async def histories() -> AsyncIterator[WorkflowHistory]:
         for path in sorted(paths):
-            yield WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+            yield load_history(path)
 
     return await replay_histories(histories(), "freshly recorded histories")
 

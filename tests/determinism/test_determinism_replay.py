@@ -21,6 +21,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import history_files
 import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
@@ -38,6 +39,8 @@ from workflows.job import (
     LOCAL_STEPS_PATCH,
     PREEMPT_PATCH,
     REASON_PATCH,
+    SIGNALS_PATCH,
+    SUBMISSION_PATCH,
     TERMINAL_LAUNCH_PATCH,
     TIMERS_PATCH,
     JobWorkflow,
@@ -86,6 +89,14 @@ PATCHED_PATHS = {
     # stack's short one): a launch whose answer was cut, parked with the outcome unknown, probed,
     # then adopted when its cluster answers.
     "launch_unanswered_adopted": TIMERS_PATCH,
+    # Issue 26: a forged expire (no deadline) and a forged place (another zone, preemptible) to a
+    # queued job, both recorded and ignored; a forged SUCCEEDED for a running attempt's nonce,
+    # read back from its cluster and ignored (the job then ends as it would have).
+    "forged_place_and_expire_ignored": SIGNALS_PATCH,
+    "forged_observe_ignored": SIGNALS_PATCH,
+    # Issue 26: a raw start with `{}`, and eve's signed spec under another user's job id: REJECTED.
+    "malformed_start_rejected": SUBMISSION_PATCH,
+    "foreign_name_rejected": SUBMISSION_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}
@@ -98,7 +109,7 @@ def committed_histories() -> list[Path]:
 
 
 def load(path: Path) -> WorkflowHistory:
-    return WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+    return history_files.load(path)
 
 
 def test_every_main_path_has_a_committed_history() -> None:
@@ -171,6 +182,10 @@ def test_histories_end_where_their_name_says() -> None:
         "parked_missing_artifact_cancelled": "KILLED",
         "parked_replayed": "SUCCEEDED",
         "deadline_unschedulable": "UNSCHEDULABLE",
+        "forged_place_and_expire_ignored": "KILLED",
+        "forged_observe_ignored": "SUCCEEDED",
+        "malformed_start_rejected": "REJECTED",
+        "foreign_name_rejected": "REJECTED",
     }
     for name, state in expected.items():
         history = load(HISTORY_DIR / f"{name}.json")
@@ -196,4 +211,4 @@ async def test_a_history_the_code_did_not_produce_is_reported_nondeterministic()
     assert not report.ok
     [failure] = report.failures
     assert failure.nondeterministic and failure.workflow_type == "JobWorkflow"
-    assert failure.line().startswith("FAIL local (run ")
+    assert failure.line().startswith(f"FAIL {history.workflow_id} (run ")
