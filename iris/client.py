@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import builtins
 import contextlib
+import gc
 import getpass
 import math
 import os
@@ -22,6 +24,7 @@ import secrets
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -659,8 +662,10 @@ class AsyncIrisClient:
         except WorkflowFailureError:
             return None
 
-    async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
-        """Fire-and-forget cancel (a signal)."""
+    async def cancel(self, job_id: str, reason: str = "Cancelled by user") -> bool:
+        """Fire-and-forget cancel (a signal): True if it was sent to the job, False if the job had
+        already ended (nothing to cancel; ``describe`` says how it ended). JobNotFound only for a
+        job that never existed. ``cancel_and_report`` says whether a cancel won the race."""
         from workflows.job import JobWorkflow
 
         job_id = self.resolve(job_id)
@@ -668,9 +673,12 @@ class AsyncIrisClient:
         try:
             await self._handle(job_id).signal(JobWorkflow.cancel, request)
         except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                raise JobNotFound(f"job {job_id} not found or already finished") from None
-            raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise Unavailable(f"cannot cancel {job_id}: {exc.message}") from None
+            # A signal to a closed workflow is NOT_FOUND too: the job ended, or never was.
+            await self.describe(job_id)  # JobNotFound if it never was
+            return False
+        return True
 
     async def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
         """Cancel and learn whether the cancel won the race against the handoff (an Update)."""
@@ -1060,18 +1068,49 @@ def attempt_number(status: JobStatus, attempt: int | None) -> int:
     return attempt
 
 
+# Every IrisClient not yet closed, closed by an exit hook while the interpreter is still whole: a
+# script that never calls close() (the seed's snippet) otherwise leaves its loop thread and the
+# Temporal SDK's runtime threads live into interpreter teardown, where one of them touching Python
+# crashes the process (``Fatal Python error: PyGILState_Release``, exit 134; docs/DESIGN.md, "The
+# SDK at exit").
+_OPEN_CLIENTS: weakref.WeakSet[IrisClient] = weakref.WeakSet()
+_CLOSE_TIMEOUT_S = 5.0
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in builtins.list(_OPEN_CLIENTS):
+        client.close()
+    gc.collect()  # the closed clients' Temporal connections are dropped here, not in teardown
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task of the running loop and wait for them to finish."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class IrisClient:
     """Synchronous facade over AsyncIrisClient, for scripts and notebooks.
 
-    One private event loop runs in a daemon thread; every call blocks until its answer.
+    One private event loop runs in a daemon thread; every call blocks until its answer. ``close()``
+    (or ``with IrisClient() as client:``) ends it; a client left open is closed at interpreter exit.
     """
+
+    _async: AsyncIrisClient | None
 
     def __init__(
         self, cluster: str | None = None, *, config: FederationConfig | str | Path | None = None
     ) -> None:
+        self._async = None
+        self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="iris-client", daemon=True)
         self._thread.start()
+        _OPEN_CLIENTS.add(self)
         try:
             cfg = config if isinstance(config, FederationConfig) else load_config(config)
             if cluster is not None:
@@ -1082,10 +1121,15 @@ class IrisClient:
         self._async = self._run(AsyncIrisClient.connect(cfg))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise IrisError("this IrisClient is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
     def aio(self) -> AsyncIrisClient:
+        if self._async is None:
+            raise IrisError("this IrisClient is closed")
         return self._async
 
     def submit(
@@ -1096,40 +1140,40 @@ class IrisClient:
         workdir: str | os.PathLike[str] | None = ".",
         **kw: Any,
     ) -> str:
-        return self._run(self._async.submit(command, script=script, workdir=workdir, **kw))
+        return self._run(self.aio.submit(command, script=script, workdir=workdir, **kw))
 
     def describe(self, job_id: str) -> JobStatus:
-        return self._run(self._async.describe(job_id))
+        return self._run(self.aio.describe(job_id))
 
-    def cancel(self, job_id: str, reason: str = "Cancelled by user") -> None:
-        self._run(self._async.cancel(job_id, reason))
+    def cancel(self, job_id: str, reason: str = "Cancelled by user") -> bool:
+        return self._run(self.aio.cancel(job_id, reason))
 
     def cancel_and_report(self, job_id: str, reason: str = "Cancelled by user") -> CancelOutcome:
-        return self._run(self._async.cancel_and_report(job_id, reason))
+        return self._run(self.aio.cancel_and_report(job_id, reason))
 
     def list(self, **kw: Any) -> list[JobSummary]:
-        return self._run(self._async.list(**kw))
+        return self._run(self.aio.list(**kw))
 
     def queue_positions(self, job_ids: Sequence[str]) -> dict[str, QueuePosition]:
-        return self._run(self._async.queue_positions(job_ids))
+        return self._run(self.aio.queue_positions(job_ids))
 
     def position(self, job_id: str) -> QueuePosition | None:
-        return self._run(self._async.position(job_id))
+        return self._run(self.aio.position(job_id))
 
     def dry_run(self, spec: JobSpec) -> DryRun:
-        return self._run(self._async.dry_run(spec))
+        return self._run(self.aio.dry_run(spec))
 
     def resolve(self, job_id: str) -> str:
-        return self._async.resolve(job_id)
+        return self.aio.resolve(job_id)
 
     def wait(self, job_id: str, *, timeout_s: float | None = None) -> JobStatus:
-        return self._run(self._async.wait(job_id, timeout_s=timeout_s))
+        return self._run(self.aio.wait(job_id, timeout_s=timeout_s))
 
     def logs(self, job_id: str, offset: int = 0, *, attempt: int | None = None) -> LogChunk:
-        return self._run(self._async.logs(job_id, offset, attempt=attempt))
+        return self._run(self.aio.logs(job_id, offset, attempt=attempt))
 
     def peers(self) -> FederationView:
-        return self._run(self._async.peers())
+        return self._run(self.aio.peers())
 
     def replay_handoff(
         self,
@@ -1141,11 +1185,11 @@ class IrisClient:
         force: bool = False,
     ) -> str:
         return self._run(
-            self._async.replay_handoff(job_id, peer=peer, requeue=requeue, reason=reason, force=force)
+            self.aio.replay_handoff(job_id, peer=peer, requeue=requeue, reason=reason, force=force)
         )
 
     def iter_logs(self, job_id: str, *, attempt: int | None = None) -> Iterator[str]:
-        agen = self._async.follow_logs(job_id, attempt=attempt)
+        agen = self.aio.follow_logs(job_id, attempt=attempt)
 
         async def step() -> str | None:
             try:
@@ -1157,8 +1201,20 @@ class IrisClient:
             yield data
 
     def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        """End the client: its pending calls are cancelled, its loop stopped and closed, and its
+        Temporal connection dropped. Idempotent; called at interpreter exit if not before."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN_CLIENTS.discard(self)
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_pending(), self._loop).result(_CLOSE_TIMEOUT_S)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=_CLOSE_TIMEOUT_S)
+        self._async = None  # the Temporal client and its connection go with the last reference
+        if not self._thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> IrisClient:
         return self
