@@ -89,10 +89,12 @@ def cpu_backend(id: str = "cpu", cpu_slots: int = 2) -> dict[str, Any]:
     return {"id": id, "attributes": {"device-type": ["cpu"]}, "cpu_slots": cpu_slots}
 
 
-# The jobs of most tests run this test interpreter and write to the test's temp dir, neither of
-# which an unprivileged user can reach on a machine whose Python lives under a 0700 /root, nor a
-# sandboxed job see: they keep the test's user, unsandboxed. tests/controller/test_controller_privileges.py
-# runs jobs as "nobody" for real, tests/controller/test_controller_sandbox.py in the sandbox.
+# A cluster's jobs run as in production: in the job sandbox (docs/SECURITY.md, "The job sandbox"),
+# each as a pool uid under a root controller, seeing this test interpreter (bound read-only) but
+# not the test's temp dir. run_as (the test's user) applies only where the host cannot sandbox.
+# A test passes sandbox="off" where it is about the mechanics of unsandboxed jobs or inspects them
+# from the host by means a sandbox changes (it says why);
+# tests/controller/test_controller_privileges.py runs jobs as "nobody" for real.
 TEST_USER = pwd.getpwuid(os.geteuid()).pw_name
 
 
@@ -102,8 +104,10 @@ def cluster(
     backends: list[dict[str, Any]] | None = None,
     auth: Any = None,
     run_as: str = TEST_USER,
-    sandbox: str = "off",
+    sandbox: str = "auto",
+    rw_paths: list[Path] | None = None,
 ) -> dict[str, Any]:
+    """One cluster's config; ``rw_paths``: its ``sandbox_rw_paths`` (see ``shared_dir``)."""
     c: dict[str, Any] = {
         "name": name,
         "port": free_port(),
@@ -111,9 +115,44 @@ def cluster(
         "run_as": run_as,
         "sandbox": sandbox,
     }
+    if rw_paths:
+        c["sandbox_rw_paths"] = [str(p) for p in rw_paths]
     if auth is not None:
         c["auth"] = auth
     return c
+
+
+def shared_dir(path: Path) -> Path:
+    """``path`` (created) as a directory a test shares with its jobs: markers, gate and slot files.
+    In a cluster's ``sandbox_rw_paths`` (``cluster(rw_paths=...)``) every sandboxed job sees it at
+    this path; mode 1777, so each job's pool uid writes there and removes only its own files. Keep
+    it out of a controller's state dir and its parent (the default key dir): the controller refuses
+    an overlap at start. A file several jobs (several uids) append to is made by the test, 0666."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o1777)
+    return path
+
+
+async def sandboxed(ctl: Controller, signer: TokenSigner | None = None) -> bool:
+    """Whether the controller's process backends run their jobs in the bwrap sandbox (its capacity
+    report says so): a test whose assertions differ with and without it asks this, never assumes."""
+    async with ctl.client(signer) as c:
+        reports = (await c.backends()).backends
+    return all((b.sandbox or "").startswith("bwrap") for b in reports)
+
+
+def job_pids(job_id: str) -> set[int]:
+    """The host pids of the job's processes (their environment names the job, IRIS_JOB_ID): seen
+    from the host with and without the sandbox (a sandboxed job only knows its namespace's pids)."""
+    wanted = f"IRIS_JOB_ID={job_id}".encode()
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+    return found
 
 
 def federation(*clusters: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ from controller_harness import (
     federation,
     free_port,
     gpu_backend,
+    job_pids,
     poll,
     process_alive,
     py,
@@ -195,8 +197,14 @@ async def test_timeout(open_controller: Controller) -> None:
     assert st.state is S.FAILED and st.error == "timed out"
 
 
-async def test_idempotent_relaunch_and_replacement(open_controller: Controller, tmp_path: Path) -> None:
-    marker = tmp_path / "runs"
+async def test_idempotent_relaunch_and_replacement(
+    open_controller: Controller, open_shared_dir: Path
+) -> None:
+    # Each run appends to the marker in the directory the jobs share with the test; the two runs
+    # may have two pool uids: the test makes the file, writable by both.
+    marker = open_shared_dir / f"runs-{uuid.uuid4().hex}"
+    marker.touch()
+    marker.chmod(0o666)
     cmd = py(f"open({str(marker)!r}, 'a').write('x'); import time; time.sleep(1.0)")
     req = request(cmd, job_id="bob/idem", nonce="first")
     async with open_controller.client() as c:
@@ -343,25 +351,25 @@ async def test_graceful_stop_leaves_no_process(tmp_path: Path) -> None:
     peer = cluster("peer", backends=[gpu_backend()])
     cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
     ctl = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"])
-    pidfile = tmp_path / "pid"
     async with ctl.client() as c:
-        await c.launch(
-            request(
-                py(f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"),
-                job_id="g/1",
-            )
-        )
-        await poll(
-            lambda: c.status("g/1"), lambda _: pidfile.exists() and pidfile.read_text() != "", what="pid"
-        )
-    pid = int(pidfile.read_text())
+        await c.launch(request(py("import time; print('up', flush=True); time.sleep(120)"), job_id="g/1"))
+        await poll(lambda: c.logs("g/1"), lambda ch: "up" in ch.data, what="g/1 up")
+    # Its processes as the host sees them (in the sandbox, the job knows only its namespace's pids).
+    pids = job_pids("g/1")
+    assert pids
     assert ctl.stop() in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
-    assert not process_alive(pid)
+    assert not any(process_alive(pid) for pid in pids)
     assert "g/1" in json.dumps([line for line in ctl.log_text().splitlines() if "finished" in line])
 
 
-async def test_no_process_outlives_its_job(open_controller: Controller) -> None:
-    # The job leaves a child in its group and a daemon in a new session; both must be gone.
+async def test_no_process_outlives_its_job(tmp_path: Path) -> None:
+    """Without the sandbox (sandbox = "off": what a host that cannot sandbox relies on), the
+    job leaves a child in its group and a daemon in a new session; both must be gone. The pids
+    the job prints are the host's only outside a PID namespace; in the sandbox the namespace ends
+    them (tests/controller/test_controller_sandbox.py::test_a_setsid_child_ends_with_its_job)."""
+    peer = cluster("peer", backends=[gpu_backend()], sandbox="off")
+    cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
+    ctl = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"])
     code = (
         "import subprocess, sys; "
         "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
@@ -370,15 +378,20 @@ async def test_no_process_outlives_its_job(open_controller: Controller) -> None:
         "print(a.pid, b.pid, flush=True)"
     )
     req = request(py(code))
-    async with open_controller.client() as c:
-        await c.launch(req)
-        assert (await wait_terminal(c, req.job_id)).state is S.SUCCEEDED
-        pids = [int(p) for p in (await read_all_logs(c, req.job_id)).split()]
-    assert len(pids) == 2
-    for pid in pids:
-        await poll(
-            lambda pid=pid: asyncio.to_thread(process_alive, pid), lambda alive: not alive, what=f"{pid} gone"
-        )
+    try:
+        async with ctl.client() as c:
+            await c.launch(req)
+            assert (await wait_terminal(c, req.job_id)).state is S.SUCCEEDED
+            pids = [int(p) for p in (await read_all_logs(c, req.job_id)).split()]
+        assert len(pids) == 2
+        for pid in pids:
+            await poll(
+                lambda pid=pid: asyncio.to_thread(process_alive, pid),
+                lambda alive: not alive,
+                what=f"{pid} gone",
+            )
+    finally:
+        ctl.stop()
 
 
 async def test_terminate_by_nonce_fences_only_that_attempt(open_controller: Controller) -> None:

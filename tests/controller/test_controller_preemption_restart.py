@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from controller_harness import (
     cluster,
     federation,
     gpu_backend,
+    job_pids,
     poll,
     process_alive,
     py,
@@ -29,20 +31,24 @@ from iris.policy.models import Band
 
 # A victim that ignores SIGTERM: it holds its chips for the whole grace.
 STUBBORN = (
-    "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "open(sys.argv[1], 'w').write(str(os.getpid())); print('up', flush=True); time.sleep(300)"
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('up', flush=True); time.sleep(300)"
 )
 
 
-async def test_a_controller_killed_during_a_victims_grace_settles_it_preempted(tmp_path: Path) -> None:
-    peer = cluster("peer", backends=[gpu_backend(slots=8)])
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+async def test_a_controller_killed_during_a_victims_grace_settles_it_preempted(
+    tmp_path: Path, sandbox: str
+) -> None:
+    """In the sandbox (where the host allows it; the victim then ends with its controller) and
+    without it (a leftover the restarted controller kills): the same settlement."""
+    peer = cluster("peer", backends=[gpu_backend(slots=8)], sandbox=sandbox)
     peer["preempt_grace_s"] = 120  # far longer than the test: the restart falls inside the grace
     cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
     ctl = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"])
-    pidfile = tmp_path / "pid"
     try:
         async with ctl.client() as c:
-            await c.launch(request([*py(STUBBORN), str(pidfile)], job_id="b/victim", gpus=8, band=Band.BATCH))
+            await c.launch(request(py(STUBBORN), job_id="b/victim", gpus=8, band=Band.BATCH))
             await poll(lambda: c.logs("b/victim"), lambda ch: "up" in ch.data, what="victim up")
             first = await c.launch(
                 request(py("print('reclaimed')"), job_id="p/first", gpus=8, band=Band.PRODUCTION)
@@ -50,7 +56,11 @@ async def test_a_controller_killed_during_a_victims_grace_settles_it_preempted(t
             # The victim ignores SIGTERM: the production job waits out the grace.
             assert first.state is S.PENDING
             assert (await c.status("b/victim")).state is S.RUNNING
-        pid = int(pidfile.read_text())
+        pids = job_pids("b/victim")  # as the host sees them
+        assert pids
+
+        def alive() -> bool:
+            return any(process_alive(pid) for pid in pids)
 
         ctl.kill9()
         ctl = restart(ctl)
@@ -60,9 +70,7 @@ async def test_a_controller_killed_during_a_victims_grace_settles_it_preempted(t
             assert victim.error is not None
             assert victim.error.startswith("preempted by p/first at "), victim.error
             assert "the controller restarted during its grace" in victim.error
-            await poll(
-                lambda: asyncio.to_thread(process_alive, pid), lambda alive: not alive, what="leftover killed"
-            )
+            await poll(lambda: asyncio.to_thread(alive), lambda up: not up, what="leftover killed")
             assert (await wait_terminal(c, "p/first")).state is S.SUCCEEDED
             assert await read_all_logs(c, "p/first") == "reclaimed\n"
     finally:

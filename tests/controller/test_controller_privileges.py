@@ -2,6 +2,10 @@
 cluster's ``run_as`` user, in a clean environment, out of reach of the controller's environment,
 key directory, state directory, store and other jobs' directories.
 
+These are the defences left where a host cannot sandbox (docs/SECURITY.md, "Job → controller"), so
+the clusters here set ``sandbox = "off"``: in the sandbox (tests/controller/test_controller_sandbox.py)
+``run_as`` is not used, and the job would not even see what these tests show it cannot open.
+
 The tests need root (the suite runs as root here) and an interpreter the unprivileged user can run:
 the system ``python3``, since the test interpreter may live under a 0700 home. Each test's files sit
 in a world-traversable directory, so only the controller's own defences stand between the job and
@@ -85,6 +89,7 @@ def peer() -> Iterator[Peer]:
         backends=[cpu_backend(cpu_slots=4)],
         auth=key_auth("peer", trusted_requesters=["home"], allowed_submitters=["*"]),
         run_as=JOB_USER,
+        sandbox="off",
     )
     cfg = write_config(root / "clusters.toml", federation(home, p))
     ctl = start_controller(
@@ -222,7 +227,7 @@ def test_unknown_run_as_is_one_config_error(tmp_path: Path) -> None:
 
 async def test_root_run_as_warns_once(tmp_path: Path) -> None:
     """A controller whose jobs keep its privileges says so once, at start-up."""
-    p = cluster("peer", backends=[cpu_backend(), cpu_backend(id="cpu2")], run_as="root")
+    p = cluster("peer", backends=[cpu_backend(), cpu_backend(id="cpu2")], run_as="root", sandbox="off")
     cfg = write_config(tmp_path / "clusters.toml", federation(cluster("home"), p))
     ctl = start_controller(cfg, "peer", tmp_path / "state", port=p["port"])
     try:

@@ -24,12 +24,14 @@ from controller_harness import (
     request,
     restart,
     run_controller_cli,
+    sandboxed,
     start_controller,
     wait_terminal,
     world_python,
     write_config,
 )
 
+from iris.config import ClusterConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import NotFound
 from iris.controller.executors.base import log_path_for
@@ -245,15 +247,17 @@ def test_a_bad_sweep_interval_is_a_config_error(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs a root controller")
-async def test_work_dirs_of_another_user_are_removed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A root controller runs the job as ``nobody``: what the job left in its work directory is
-    nobody's, some of it unreadable and read-only; retention removes all of it."""
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+async def test_work_dirs_of_another_user_are_removed(monkeypatch: pytest.MonkeyPatch, sandbox: str) -> None:
+    """A root controller runs the job as another uid: a pool uid in the sandbox, else ``nobody``
+    (its run_as). What the job left in its work directory is that uid's, some of it unreadable
+    and read-only; retention removes all of it."""
     monkeypatch.setenv(SWEEP_ENV, SWEEP_S)
     # World-traversable, so the job reaches its own directory (pytest's temp dirs are 0700).
     root = Path(tempfile.mkdtemp(prefix="iris-retention-"))
     os.chmod(root, 0o755)
     try:
-        peer = cluster("peer", backends=[cpu_backend(cpu_slots=2)], run_as="nobody")
+        peer = cluster("peer", backends=[cpu_backend(cpu_slots=2)], run_as="nobody", sandbox=sandbox)
         peer["retention_s"] = 2.0
         cfg = write_config(root / "c.toml", federation(cluster("home"), peer))
         ctl = start_controller(cfg, "peer", root / "state", port=peer["port"])
@@ -263,8 +267,11 @@ async def test_work_dirs_of_another_user_are_removed(monkeypatch: pytest.MonkeyP
                 await c.launch(request([world_python(), "-c", code], job_id="ret/nobody", backend_id="cpu"))
                 assert (await wait_terminal(c, "ret/nobody")).state is S.SUCCEEDED
                 (workdir,) = _work_dirs(ctl.state_dir, "ret/nobody", 1)
-                nobody = pwd.getpwnam("nobody").pw_uid
-                assert (workdir / "out").stat().st_uid == nobody
+                owner = (workdir / "out").stat().st_uid
+                if await sandboxed(ctl):
+                    assert sandbox == "auto" and owner in ClusterConfig.model_validate(peer).sandbox_uid_range
+                else:  # off, or a host that cannot sandbox
+                    assert owner == pwd.getpwnam("nobody").pw_uid
                 await _gone(c, "ret/nobody")
                 assert not workdir.exists()
         finally:
