@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -43,6 +44,11 @@ def uid_range(value: str) -> range:
     return range(lo, hi + 1)
 
 
+# A Slurm partition name or GRES type, as the backend passes it on sbatch's command line.
+_SLURM_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_BANDS = ("production", "interactive", "batch")
+
+
 class BackendConfig(BaseModel):
     """One execution pool of a cluster: attributes it advertises and devices it has."""
 
@@ -52,10 +58,11 @@ class BackendConfig(BaseModel):
     devices: dict[str, int] = Field(default_factory=dict)
     # How many jobs without devices may run at once (CPU jobs are not gated by the policy).
     cpu_slots: int = Field(default=8, ge=1)
-    # Where the jobs run: local processes with device slots, or a Ray cluster through its Jobs API.
-    # For "ray", `devices` names the tokens served and the most one job may ask for; the capacity
-    # report comes from Ray itself.
-    kind: Literal["process", "ray"] = "process"
+    # Where the jobs run: local processes with device slots, a Ray cluster through its Jobs API, or
+    # a Slurm cluster through its commands (docs/DESIGN.md, "The Slurm backend"). For "ray" and
+    # "slurm", `devices` names the tokens served and the most one job may ask for; the capacity
+    # report comes from the engine itself.
+    kind: Literal["process", "ray", "slurm"] = "process"
     # Ray: the Jobs API (dashboard) URL, e.g. "http://127.0.0.1:8265".
     address: str = ""
     # Ray: the GCS "host:port" capacity is read from; empty = the address's host, port 6379.
@@ -66,6 +73,35 @@ class BackendConfig(BaseModel):
     # Ray: CPUs and memory (MiB, 0 = none) each replica's entrypoint reserves besides its devices.
     ray_cpus: float = Field(default=0.1, ge=0)
     ray_memory_mb: int = Field(default=0, ge=0)
+    # Slurm (docs/DESIGN.md, "The Slurm backend"): the cluster's slurm.conf, given to every Slurm
+    # command as SLURM_CONF (empty: the controller's own SLURM_CONF, else Slurm's default).
+    slurm_conf: str = ""
+    # Slurm: the partition jobs go to, and per band ("production", "interactive", "batch") another
+    # one where a band's jobs go elsewhere. The backend's capacity is its partitions' nodes.
+    slurm_partition: str = ""
+    slurm_partitions: dict[str, str] = Field(default_factory=dict)
+    # Slurm: the GPU GRES type of each device token (default: the token itself; "" = any type).
+    # Backends sharing one Slurm keep their devices apart with distinct types, e.g.
+    # {"h100": "cw-rno2a-h100"}.
+    slurm_gres: dict[str, str] = Field(default_factory=dict)
+    # Slurm: who the jobs run as (a user name or uid that exists on every node; empty: the
+    # cluster's run_as). Only a root controller can submit as another user.
+    slurm_user: str = ""
+    # Slurm: where each job's working directory and output file go: a directory every node sees at
+    # this same path (a shared filesystem on a real cluster). Empty: <state dir>/slurm-work, which
+    # only a single-node Slurm on the controller's own host can see.
+    slurm_work_dir: str = ""
+    # Slurm: CPUs, and memory per CPU (MiB, 0 = the cluster's default), each replica asks for.
+    slurm_cpus: int = Field(default=1, ge=1, le=4096)
+    slurm_mem_per_cpu_mb: int = Field(default=0, ge=0)
+    # Slurm: the environment every job starts from, before its own (PATH: where the nodes keep the
+    # jobs' tools, e.g. {"PATH": "/opt/conda/bin:/usr/bin:/bin"}; default PATH /usr/local/bin:/usr/bin:/bin).
+    slurm_env: dict[str, str] = Field(default_factory=dict)
+    # Slurm: more sbatch options of the site's (e.g. ["--account=ml", "--qos=normal"]), before the
+    # backend's own, which win.
+    slurm_sbatch_args: list[str] = Field(default_factory=list)
+    # Slurm: how often the backend reads the queue (one `squeue --json` and one `sinfo --json`).
+    slurm_poll_s: float = Field(default=1.0, ge=0.1, le=60)
 
     @field_validator("attributes")
     @classmethod
@@ -97,6 +133,48 @@ class BackendConfig(BaseModel):
             if unknown:
                 raise ValueError(f"backend {self.id}: ray_resources names tokens not in devices: {unknown}")
         return self
+
+    @field_validator("slurm_gres")
+    @classmethod
+    def _gres_types(cls, value: dict[str, str]) -> dict[str, str]:
+        for token, gres in value.items():
+            if not _SLURM_NAME.fullmatch(gres) and gres != "":
+                raise ValueError(f"GRES type {gres!r} of {token!r}: letters, digits and ._- only")
+        return {k.lower(): v for k, v in value.items()}
+
+    @model_validator(mode="after")
+    def _slurm_settings(self) -> BackendConfig:
+        if self.kind != "slurm":
+            return self
+        where = f"backend {self.id}"
+        if not _SLURM_NAME.fullmatch(self.slurm_partition):
+            raise ValueError(f'{where}: a Slurm backend needs slurm_partition = "NAME" (of [A-Za-z0-9._-])')
+        for band, partition in self.slurm_partitions.items():
+            if band not in _BANDS:
+                bands = ", ".join(_BANDS)
+                raise ValueError(f"{where}: slurm_partitions: unknown band {band!r} (one of {bands})")
+            if not _SLURM_NAME.fullmatch(partition):
+                raise ValueError(f"{where}: slurm_partitions.{band}: {partition!r} is not a partition name")
+        unknown = sorted(set(self.slurm_gres) - set(self.devices))
+        if unknown:
+            raise ValueError(f"{where}: slurm_gres names tokens not in devices: {unknown}")
+        for name, path in (("slurm_conf", self.slurm_conf), ("slurm_work_dir", self.slurm_work_dir)):
+            if path and not os.path.isabs(path):
+                raise ValueError(f"{where}: {name} {path!r} is not an absolute path")
+        for key, val in self.slurm_env.items():
+            if not key or "=" in key or "\x00" in key or "\x00" in val:
+                raise ValueError(f"{where}: slurm_env: invalid variable {key!r}")
+        for arg in self.slurm_sbatch_args:
+            if not arg.startswith("-") or "\x00" in arg:
+                raise ValueError(f"{where}: slurm_sbatch_args: {arg!r} is not an sbatch option")
+        return self
+
+    def slurm_partition_for(self, band: str) -> str:
+        """The partition a job of ``band`` (its label) goes to."""
+        return self.slurm_partitions.get(band, self.slurm_partition)
+
+    def slurm_gres_type(self, token: str) -> str:
+        return self.slurm_gres.get(token, token)
 
     @property
     def ray_gcs_address(self) -> str:

@@ -90,9 +90,13 @@ class TaskRecord:
     # The sandbox pool uid it runs as (iris/controller/sandbox.py), saved before it starts: a
     # restarted controller reclaims it.
     uid: int | None = None
+    # The engine's own handle of the run, saved before the engine is asked to start it: a Slurm
+    # job id, or "submit@<ms>" while an sbatch's outcome is unknown (docs/DESIGN.md, "The Slurm
+    # backend"). A restarted controller thereby knows whether the run may exist.
+    engine_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "index": self.index,
             "state": self.state.value,
             "exit_code": self.exit_code,
@@ -100,6 +104,9 @@ class TaskRecord:
             "pid": self.pid,
             "uid": self.uid,
         }
+        if self.engine_id is not None:
+            data["engine_id"] = self.engine_id
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TaskRecord:
@@ -110,6 +117,7 @@ class TaskRecord:
             slots=[int(s) for s in data.get("slots", [])],
             pid=data.get("pid"),
             uid=data.get("uid"),
+            engine_id=data.get("engine_id"),
         )
 
 

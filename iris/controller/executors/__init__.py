@@ -1,8 +1,9 @@
 """Execution backends of a cluster controller: the shared executor and one engine per backend kind.
 
 ``Executor`` (``core``) is what the API talks to; each backend entry of the cluster config gets a
-``ProcessBackend`` (``kind = "process"``, local processes with device slots) or a ``RayBackend``
-(``kind = "ray"``, a Ray cluster's Jobs API, imported only when configured).
+``ProcessBackend`` (``kind = "process"``, local processes with device slots), a ``RayBackend``
+(``kind = "ray"``, a Ray cluster's Jobs API) or a ``SlurmBackend`` (``kind = "slurm"``, a Slurm
+cluster's commands); the last two are imported only when configured.
 """
 
 from iris.controller.executors.base import Backend, BackendUnreachable, Demand, demand_for, log_path_for

@@ -38,6 +38,10 @@ def make_backend(cluster: ClusterConfig, index: int, host: Executor, kill_grace_
         from iris.controller.executors.ray_jobs import RayBackend
 
         return RayBackend(config, host)
+    if config.kind == "slurm":
+        from iris.controller.executors.slurm import SlurmBackend
+
+        return SlurmBackend(config, host, kill_grace_s=kill_grace_s)
     return ProcessBackend(config, host, kill_grace_s=kill_grace_s)
 
 
