@@ -43,7 +43,29 @@ def list_peers_command() -> None:
     """Print `{peers:[{peer_id, reachable, last_contact_ms, backends:[{backend_id,
     advertised_attributes, availability}]}]}` for every cluster, the home one included."""
     view = common.run(_view())
-    typer.echo(json.dumps({"peers": [peer_json(r) for r in view.reports]}, indent=2))
+    typer.echo(readable_json({"peers": [peer_json(r) for r in view.reports]}))
+
+
+# A JSON value goes on one line when that line stays within this width, as the seed's example
+# prints a backend's attributes and availability; anything longer is laid out, indent 2.
+JSON_WIDTH = 200
+
+
+def readable_json(value: Any, indent: int = 0, prefix: str = "") -> str:
+    """``value`` as indented JSON whose small containers stay on one line (``prefix``: the key
+    already written on the first line). Parses back to ``value``."""
+    flat = json.dumps(value)
+    if not isinstance(value, dict | list) or not value or indent + len(prefix) + len(flat) <= JSON_WIDTH:
+        return flat
+    inner = " " * (indent + 2)
+    if isinstance(value, dict):
+        items = [
+            f"{inner}{json.dumps(k)}: {readable_json(v, indent + 2, json.dumps(k) + ': ')}"
+            for k, v in value.items()
+        ]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = [f"{inner}{readable_json(v, indent + 2)}" for v in value]
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
 
 
 def _age_ms(ms: int | None) -> str:
