@@ -30,6 +30,7 @@ from iris.config import FederationConfig, load_config, store_url
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.controller.identity import KEY_DIR_ENV
 from iris.keydirs import provision_key_dirs
+from iris.slurmdev import SlurmCluster, point_at
 from iris.store import FederationStore
 from iris.temporal import data_converter
 from iris.userauth import USER_KEY_DIR_ENV, register_user
@@ -38,7 +39,7 @@ from worker.main import build_worker, ensure_manager
 VENV_BIN = Path(sys.executable).parent
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-Backend = Literal["process", "ray"]
+Backend = Literal["process", "ray", "slurm"]
 # Who the suite submits as (the SDK's default, the CLI's IRIS_USER and the users tests name), and
 # their roles; `Stack.add_user` registers more.
 TEST_USERS: dict[str, list[str]] = {
@@ -60,6 +61,8 @@ TEST_USERS: dict[str, list[str]] = {
 CONFIGS: dict[str, Path] = {
     "process": PROJECT_ROOT / "config" / "clusters.toml",
     "ray": PROJECT_ROOT / "config" / "clusters-ray.toml",
+    # The GPU peers on a single-node Slurm of the test process's (tests/slurm/conftest.py).
+    "slurm": PROJECT_ROOT / "config" / "clusters-slurm.toml",
 }
 
 
@@ -218,9 +221,13 @@ class StackRunner:
         *,
         key_dir: Path | None = None,
         ray_head: devstack.RayHeadSpec | None = None,
+        slurm: SlurmCluster | None = None,
     ) -> None:
         if (backend == "ray") != (ray_head is not None):
             raise ValueError("a Ray-backed stack needs the session's Ray head, and only it does")
+        if (backend == "slurm") != (slurm is not None):
+            raise ValueError("a Slurm-backed stack needs a running Slurm, and only it does")
+        self.slurm = slurm
         self.root = root
         self.backend = backend
         self.key_dir = key_dir or root / "keys"
@@ -237,6 +244,9 @@ class StackRunner:
         if self.ray_head is not None:
             # Both peers on the session's head, their resources named per peer (as in `iris dev --ray`).
             on_ray_head(base, self.ray_head)
+        if self.slurm is not None:
+            # The GPU peers' backends on that Slurm (its slurm.conf, its job directory).
+            point_at(base, self.slurm)
         self.ui_port = devstack.free_port()
         self.env = await WorkflowEnvironment.start_local(
             ui=True,
