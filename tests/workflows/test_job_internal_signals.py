@@ -266,3 +266,21 @@ async def test_an_earlier_attempts_observation_is_never_applied_to_the_next_atte
     await handle.signal(JobWorkflow.observe, done)
     st = await fed.result(handle)
     assert (st.state, [a.end for a in st.attempts]) == (JobState.SUCCEEDED, ["PREEMPTED", "SUCCEEDED"])
+
+
+async def test_a_force_routing_to_a_cluster_without_any_backend_parks_the_job(fed: Federation) -> None:
+    """The tick force-routes a pinned job whose cluster advertises no backend of its shape; one that
+    advertises none at all leaves no backend to name in the launch request, which a cluster would
+    refuse: the job parks with the reason (it failed its workflow task for ever)."""
+    view = fed.fake.view
+    bare = [r.model_copy(update={"backends": []}) if r.peer_id == PEER else r for r in view.reports]
+    fed.fake.view = view.model_copy(update={"reports": bare})
+    handle = await fed.queued(gpu_spec("bare", fed.now_ms, target_cluster=PEER))
+    await handle.signal(
+        JobWorkflow.place, Placement(job_id=handle.id, peer_id=PEER, backend_id="", forced=True)
+    )
+    st = await wait_for_state(handle, JobState.HANDOFF_FAILED)
+    assert st.reason.startswith(f"Cannot hand off to {PEER}: backend_id:"), st.reason
+    assert fed.fake.launch_attempts == []
+    history = await handle.fetch_history()
+    assert not [e for e in history.events if e.HasField("workflow_task_failed_event_attributes")]
