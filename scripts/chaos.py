@@ -29,8 +29,8 @@ unfenced or still running; 0 jobs stuck on the lost peer; 0 SIGKILLed attempts n
 reservations or live handles of ended jobs; every job terminal or parked with a reason; every history
 replays. The run's directory keeps the evidence: ``jobs.jsonl`` (every job's final status, events and
 attempts), ``held.jsonl`` (the controllers' records), ``store.jsonl`` (handles, reservations,
-fences), ``lost-peer.jsonl`` (the jobs that ran on the lost peer, as it came back), ``executions.log``
-(the ledger) and every process's log under ``logs/``.
+fences), ``lost-peer.jsonl`` (the jobs that ran on the lost peer, as it came back),
+``shared/executions.log`` (the ledger) and every process's log under ``logs/``.
 
 Everything is its own: Temporal (``--db-filename``), S3 and GCS emulators, three controllers, two
 proxies (in this process) and the worker, on free loopback ports under one directory. Bounded in
@@ -180,7 +180,11 @@ def chaos_config(root: Path, options: Options) -> FederationConfig:
     cfg.peer_lost_after_s = options.peer_lost_after_s
     for c in cfg.clusters:
         c.port = devstack.free_port()
-        # Jobs as this run's user: its interpreter may sit where `nobody` cannot run it.
+        # Jobs run in the job sandbox (the config's default): the ledger's directory is the one
+        # host path they all write (docs/SECURITY.md, "The job sandbox").
+        c.sandbox_rw_paths = [str(shared_dir(root))]
+        # Where the host cannot sandbox: jobs as this run's user (its interpreter may sit where
+        # `nobody` cannot run it).
         c.run_as = pwd.getpwuid(os.geteuid()).pw_name
         if c.object_store is not None:
             port = cfg.s3_port if c.object_store.kind == "s3" else cfg.gcs_port
@@ -245,7 +249,24 @@ class ChaosStack:
         return ControllerClient(f"http://127.0.0.1:{port}", timeout=timeout, signer=signer, audience=cluster)
 
 
+def shared_dir(root: Path) -> Path:
+    """Where the execution ledger lives: every job's sandbox sees it (``sandbox_rw_paths``)."""
+    return root / "shared"
+
+
+def make_ledger(root: Path) -> Path:
+    """The empty ledger, appendable by every job's pool uid: a root-owned 0666 file in a 1777
+    directory (a job's own file would be 0600 at the controller's umask, closed to the next uid)."""
+    shared_dir(root).mkdir(exist_ok=True)
+    shared_dir(root).chmod(0o1777)
+    ledger = shared_dir(root) / "executions.log"
+    ledger.touch()
+    ledger.chmod(0o666)
+    return ledger
+
+
 async def start_stack(root: Path, options: Options) -> ChaosStack:
+    make_ledger(root)
     cfg = chaos_config(root, options)
     config_file = root / "clusters.json"
     # The run's user signs its submissions and cancels (docs/DESIGN.md, "User → home").
@@ -317,6 +338,7 @@ class JobProcess:
     job_id: str
     cluster: str
     run_id: str
+    ppid: int = 0
 
 
 def job_processes(prefix: str) -> list[JobProcess]:
@@ -337,11 +359,24 @@ def job_processes(prefix: str) -> list[JobProcess]:
         job_id = env.get("IRIS_JOB_ID", "")
         if not job_id.startswith(prefix):
             continue
-        pgid = int(stat.rsplit(")", 1)[1].split()[2])
+        fields = stat.rsplit(")", 1)[1].split()
+        ppid, pgid = int(fields[1]), int(fields[2])
         found.append(
-            JobProcess(int(entry.name), pgid, job_id, env.get("IRIS_CLUSTER", ""), env.get("IRIS_RUN_ID", ""))
+            JobProcess(
+                int(entry.name), pgid, job_id, env.get("IRIS_CLUSTER", ""), env.get("IRIS_RUN_ID", ""), ppid
+            )
         )
     return found
+
+
+def run_tops(procs: list[JobProcess]) -> list[JobProcess]:
+    """The first process of each run: its parent is not the run's. Unsandboxed it leads its own
+    process group; in the job sandbox it is not (the group is bwrap's, and killing it ends the
+    sandbox, the job's every process with it; docs/SECURITY.md, "The job sandbox")."""
+    by_run: dict[str, set[int]] = {}
+    for p in procs:
+        by_run.setdefault(p.run_id, set()).add(p.pid)
+    return [p for p in procs if p.ppid not in by_run[p.run_id]]
 
 
 def dump(path: Path, models: list[Any]) -> None:
@@ -756,10 +791,10 @@ class Chaos:
                 if time.monotonic() > give_up:
                     break
             procs = await asyncio.to_thread(job_processes, self.prefix)
-            for proc in procs:
+            for proc in run_tops(procs):
                 if proc.job_id not in targets or proc.job_id in self.faults.sigkilled:
                     continue
-                if proc.cluster != FLAKY or proc.pid != proc.pgid:
+                if proc.cluster != FLAKY:
                     continue
                 first = seen.setdefault(proc.run_id, time.monotonic())
                 if time.monotonic() - first >= 1.5:
@@ -799,16 +834,21 @@ class Chaos:
         self.down.add(LOST)
         lost_ms = self.faults.lost_ms = int(time.time() * 1000)
         began = time.monotonic()
+        # Its jobs' processes, found before the controller goes: in the job sandbox they end with
+        # it (bwrap --die-with-parent), as they would with their host.
+        procs = await asyncio.to_thread(job_processes, self.prefix)
         await asyncio.to_thread(controller.kill)
         await asyncio.to_thread(controller.stop)
-        procs = await asyncio.to_thread(job_processes, self.prefix)
         groups = {p.pgid for p in procs if p.cluster == LOST}
         self.faults.peer_lost_processes = kill_groups(groups)
         killed_ms = int(time.time() * 1000)
         self.faults.killed_runs.update({p.run_id: killed_ms for p in procs if p.cluster == LOST})
         self.faults.peers_lost += 1
         self.peer_lost.set()
-        self.note(f"{LOST} lost: controller and {len(groups)} job process group(s) SIGKILLed")
+        self.note(
+            f"{LOST} lost: controller SIGKILLed, and {self.faults.peer_lost_processes} of its "
+            f"{len(groups)} job process group(s) still alive (a sandboxed one ends with its controller)"
+        )
         await asyncio.sleep(o.peer_lost_after_s + o.peer_back_margin_s)
         # The judge's part while it is away: every attempt it was running has moved. A follow lost
         # with the worker resumes after its heartbeat timeout (30 s), then counts the silence
@@ -1059,13 +1099,14 @@ def judge(
         "reservation",
         "handle",
         "unsettled",
+        "unrecorded",
     )
     examples: dict[str, list[str]] = {k: [] for k in names}
     states: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {}
     handles = {h.job_id: h for h in store.handles}
     finals = {r.job_id: r.final for r in records if r.job_id is not None and r.final is not None}
-    lost = unlaunched = after_cancel = unsettled = stale = sigkill = leaked = live_handles = 0
+    lost = unlaunched = after_cancel = unsettled = stale = sigkill = leaked = live_handles = unrecorded = 0
     reconciled = unknown = adopted = retried = preempted = twice = 0
     two: dict[str, str] = {}
     # At least once, by design: a run that ended on LOST before it was lost, unseen (the home had
@@ -1113,6 +1154,11 @@ def judge(
         for a, b in overlapping(runs, faults.killed_runs):
             two[job_id] = f"{job_id} (ran at once on {a.cluster} and {b.cluster})"
         done = [run for run in runs if run.ended_ms is not None]
+        # A job that succeeded ran its command to the end, which writes the ledger's last line: a
+        # ledger its jobs cannot write (a sandbox that does not see it) would prove nothing.
+        if final.state is JobState.SUCCEEDED and not done:
+            unrecorded += 1
+            examples["unrecorded"].append(f"{job_id}: SUCCEEDED, no completed run in the ledger")
         if len(done) > 1:
             first, later = done[0], done[1:]
             lost_there = any(
@@ -1220,6 +1266,7 @@ def judge(
         "leaked reservations (ended jobs)": leaked,
         "live handles of ended jobs": live_handles,
         "not terminal nor parked w/ reason": unsettled,
+        "SUCCEEDED jobs missing from the ledger": unrecorded,
     }
     killed = [finals[j] for j in faults.sigkilled if j in finals]
     first_ends = Counter(
@@ -1269,7 +1316,7 @@ async def run_chaos(options: Options, root: Path) -> Report:
     try:
         startup = time.monotonic() - t0
         chaos = Chaos(stack, options)
-        ledger = root / "executions.log"
+        ledger = shared_dir(root) / "executions.log"
         records = [Record(plan) for plan in plan_jobs(options, chaos.rng, ledger, time.time())]
         chaos.note(f"stack up in {startup:.0f}s; submitting {len(records)} jobs")
         sampler = asyncio.create_task(chaos.sample_live())
