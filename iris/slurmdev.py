@@ -105,7 +105,7 @@ class SlurmSpec:
     name: str = "iris"
     # How long a silent slurmd has before its node is down and its jobs NODE_FAIL.
     slurmd_timeout_s: int = 10
-    # Between the SIGTERM and the SIGKILL of a job Slurm ends itself.
+    # Between the SIGTERM and the SIGKILL of a job Slurm ends (KillWait; slurmd waits at least 5 s).
     kill_wait_s: int = 5
 
 

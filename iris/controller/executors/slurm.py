@@ -67,15 +67,21 @@ STALE_AFTER_S = 15.0
 # After an sbatch whose outcome is unknown (it timed out, or Slurm could not be reached), how long
 # Slurm has to show the job before the backend concludes it was never taken.
 SUBMIT_SETTLE_S = 30.0
-# Slurm's default MinJobAge: how long a finished job stays in squeue, if `scontrol show config`
-# cannot say.
+# Slurm's defaults of MinJobAge (how long a finished job stays in squeue) and KillWait, if `scontrol
+# show config` cannot say.
 DEFAULT_MIN_JOB_AGE_S = 300
+DEFAULT_KILL_WAIT_S = 30
 # A submission Slurm refuses this many times in a row fails the job.
 MAX_REFUSALS = 3
 LOG_REFRESH_S = 0.5
 MIB = 1 << 20
 # The most one refresh of a running job's log copies; the final copy copies everything.
 LOG_CHUNK = 4 * MIB
+# Slurm ends a job with SIGTERM, and SIGKILL KillWait later (slurmd waits at least 5 s whatever
+# KillWait says), by a timer that ran 0.35 s short here: a stop ends the job in Slurm this much
+# later than its grace asks, so the job has all of it.
+SIGNAL_LAG_S = 1.0
+SLURMD_MIN_KILL_WAIT_S = 5
 # After the SIGKILL of a stop, how long before the backend asks Slurm to end the job again.
 RESEND_STOP_S = 10.0
 COMMENT_PREFIX = "iris:"
@@ -295,6 +301,20 @@ def capacity(
 # ---- the commands --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SlurmSettings:
+    # How long a finished job stays in squeue (without slurmdbd, the only record of its end).
+    min_job_age_s: int = 300
+    # Between the SIGTERM and the SIGKILL of every job Slurm ends (scancel, a time limit): Slurm
+    # sends no SIGKILL sooner, whatever it is asked.
+    kill_wait_s: int = 30
+
+    @property
+    def kill_wait(self) -> float:
+        """The wait slurmd really keeps: KillWait, but at least its own floor of 5 s."""
+        return float(max(self.kill_wait_s, SLURMD_MIN_KILL_WAIT_S))
+
+
 class SlurmCli:
     """Slurm's commands for one cluster (its slurm.conf), each with a timeout, from a minimal
     environment: the controller's own (its credentials) never reaches Slurm, nor a job through
@@ -391,11 +411,18 @@ class SlurmCli:
             argv.append("--full")
         await self.run(*argv, str(job_id))
 
-    async def min_job_age_s(self) -> int:
-        """MinJobAge: how long Slurm shows a finished job (``scontrol show config``)."""
+    async def settings(self) -> SlurmSettings:
+        """What the backend needs of the cluster's configuration (``scontrol show config``)."""
         text = await self.run("scontrol", "show", "config")
-        match = re.search(r"^MinJobAge\s*=\s*(\d+)", text, re.M)
-        return int(match.group(1)) if match else DEFAULT_MIN_JOB_AGE_S
+
+        def seconds(name: str, default: int) -> int:
+            match = re.search(rf"^{name}\s*=\s*(\d+)", text, re.M)
+            return int(match.group(1)) if match else default
+
+        return SlurmSettings(
+            min_job_age_s=seconds("MinJobAge", DEFAULT_MIN_JOB_AGE_S),
+            kill_wait_s=seconds("KillWait", DEFAULT_KILL_WAIT_S),
+        )
 
 
 # ---- the batch job -------------------------------------------------------------------------------
@@ -520,7 +547,7 @@ class SlurmBackend(Backend):
         self._reachable = False
         self._reason = f"Slurm ({self.cli.where}) not contacted yet"
         self._last_ok = 0.0
-        self._min_job_age_s: int | None = None
+        self._settings: SlurmSettings | None = None
         self._admitted: set[str] = set()
         self._busy: str | None = None
         self._signature: object = None
@@ -689,8 +716,8 @@ class SlurmBackend(Backend):
 
     async def _poll(self) -> None:
         try:
-            if self._min_job_age_s is None:
-                self._min_job_age_s = await self.cli.min_job_age_s()
+            if self._settings is None:
+                self._settings = await self.cli.settings()
             # Jobs first, then nodes: a job seen ending here has released its GPUs in the nodes'
             # later answer, so an error errs towards more free, never towards an extra victim.
             jobs = await self.cli.squeue()
@@ -877,7 +904,7 @@ class SlurmBackend(Backend):
         age_s = (now_ms() - int(handle[len(SUBMIT_MARK) :] or 0)) / 1000
         if age_s < SUBMIT_SETTLE_S:
             return  # Slurm may yet show it
-        min_age = self._min_job_age_s or DEFAULT_MIN_JOB_AGE_S
+        min_age = (self._settings or SlurmSettings()).min_job_age_s
         if age_s < min_age:
             # Had Slurm taken it, it would still show it (finished jobs stay for MinJobAge): it
             # never had it. The run waits for its turn again.
@@ -1030,8 +1057,12 @@ class SlurmBackend(Backend):
             await self._stop_in_slurm(tracked, sj)
 
     async def _stop_in_slurm(self, tracked: _Tracked, sj: SlurmJob) -> None:
-        """SIGTERM to every process of the job, then, after the grace, SIGKILL and Slurm's own end
-        of the job; a job Slurm has not started is just cancelled."""
+        """Stop the job within its grace (docs/DESIGN.md, "The Slurm backend"). Slurm ends a job
+        (``scancel``) with SIGTERM and, KillWait later, SIGKILL; it sends no earlier SIGKILL. A
+        grace longer than that gets a SIGTERM to every process of the job now (``--signal=TERM
+        --full``) and Slurm's end of the job once only KillWait is left of it; a shorter one, the
+        end at once (the job then has KillWait, more than its grace). A job Slurm has not started
+        is just cancelled."""
         job = tracked.job
         now = time.monotonic()
         if sj.pending or sj.restarts > 0:
@@ -1041,16 +1072,23 @@ class SlurmBackend(Backend):
             return
         preempting = job.preempted is not None and not job.terminate_requested and not tracked.timed_out
         grace = self.preempt_grace_s if preempting else self.kill_grace_s
+        kill_wait = (self._settings or SlurmSettings()).kill_wait
+        # How long after the SIGTERM Slurm's end of the job may come, for the job to have its grace.
+        delay = max(0.0, grace - kill_wait + SIGNAL_LAG_S)
         if tracked.term_at is None:
             tracked.term_at = now
-            await self._scancel(sj.job_id, signal="TERM", full=True)
-            log.info("job %s: SIGTERM to Slurm job %d (grace %ss)", job.job_id, sj.job_id, grace)
-        elif now - tracked.term_at >= grace and (
+            if delay > 0:
+                await self._scancel(sj.job_id, signal="TERM", full=True)
+                log.info("job %s: SIGTERM to Slurm job %d (grace %ss)", job.job_id, sj.job_id, grace)
+                return
+        if now - tracked.term_at >= delay and (
             tracked.kill_at is None or now - tracked.kill_at >= RESEND_STOP_S
         ):
             tracked.kill_at = now
-            await self._scancel(sj.job_id, signal="KILL", full=True)
             await self._scancel(sj.job_id)
+            log.info(
+                "job %s: Slurm job %d ended (SIGKILL after KillWait, %ss)", job.job_id, sj.job_id, kill_wait
+            )
 
     async def _scancel(self, slurm_id: int, *, signal: str | None = None, full: bool = False) -> None:
         try:
