@@ -11,6 +11,10 @@ A cluster that is unreachable or stale at submit hosts nothing, but its backends
 it, rather than rejected because a controller was restarting (docs/DESIGN.md, "Classification": it
 rejects a shape that no backend anywhere has).
 
+A job larger than every backend of its shape (its whole gate on one backend, by the totals the
+clusters report: iris/policy/sizing.py) is rejected too, naming the largest; a backend whose total
+is unknown (its cluster not OK, never reported, or no total for the token) never counts against it.
+
 A LOCAL decision carries the placement to promote the job with, through the same CAS and ledger
 as the tick's (docs/DESIGN.md, "The ledger"): home's capacity is reserved like a peer's, so a burst
 of submits never runs more at home than home has room for; those the CAS refuses wait in the queue.
@@ -39,7 +43,9 @@ from iris.policy.models import (
     Placement,
     Reservation,
 )
+from iris.policy.reasons import ReasonCode
 from iris.policy.routing import job_constraints, matches, resolve_cluster
+from iris.policy.sizing import Candidate, too_large
 
 
 def pick_backend(job: JobShape, report: PeerReport, reservations: Sequence[Reservation] = ()) -> str | None:
@@ -207,6 +213,7 @@ def classify(
     stale_after_ms: int,
     reservations: Sequence[Reservation] = (),
     configured: Mapping[str, Sequence[BackendReport]] | None = None,
+    reject_too_large: bool = True,
 ) -> Classification:
     """Classify a root job at submit (docs/DESIGN.md, "Classification"); ``reports`` has one entry
     per cluster, home included.
@@ -214,6 +221,8 @@ def classify(
     ``configured`` holds clusters' backends as configured, used only for a cluster whose live report
     is not OK (it says which shapes exist there, never what is free). ``reservations`` is the
     ledger: what earlier promotions (local ones included) took from the observations reported.
+    ``reject_too_large``: a job no backend of its shape can ever hold is rejected (``TooLarge``);
+    False only for job runs that predate it (workflows/job.py, SIZE_PATCH).
 
     A LOCAL decision has ``placement`` set (see :func:`local_placement`), to be promoted by the CAS.
     """
@@ -229,9 +238,24 @@ def classify(
                 disposition=Disposition.REJECT,
                 reason=f"unknown cluster '{pin}' (known: {', '.join(known)})",
             )
+        pinned = by_id[resolved]
+        pinned_status = peer_status(pinned, now_ms, stale_after_ms)
+        if reject_too_large:
+            # Against the pinned cluster's backends only: it is the one place the job may go.
+            ok = pinned_status is PeerStatus.OK
+            on_pin = [
+                Candidate(peer_id=resolved, backend=b, trusted=ok)
+                for b in _known_backends(pinned, configured)
+            ]
+            oversized = too_large(job, on_pin)
+            if oversized is not None:
+                return Classification(
+                    disposition=Disposition.REJECT,
+                    pinned_cluster=resolved,
+                    reason=oversized.reason(),
+                    code=ReasonCode.TooLarge,
+                )
         if resolved == home:
-            pinned = by_id[home]
-            pinned_status = peer_status(pinned, now_ms, stale_after_ms)
             return Classification(
                 disposition=Disposition.LOCAL,
                 pinned_cluster=home,
@@ -239,9 +263,8 @@ def classify(
                 placement=_pinned_home_placement(job, pinned, pinned_status, configured, reservations),
             )
         reason = queued_for_peer_reason(resolved)
-        status = peer_status(by_id[resolved], now_ms, stale_after_ms)
-        if status is not PeerStatus.OK:
-            reason += f" (peer is currently {status.value})"
+        if pinned_status is not PeerStatus.OK:
+            reason += f" (peer is currently {pinned_status.value})"
         return Classification(disposition=Disposition.QUEUE, pinned_cluster=resolved, reason=reason)
 
     constraints = job_constraints(job)
@@ -263,6 +286,11 @@ def classify(
 
     # Home backends count whatever home's state: the job waits for home to come back or free up.
     candidates: list[BackendReport] = _known_backends(home_report, configured) if home_report else []
+    # Every backend the job could go to, and whether its cluster's report says its total (OK now).
+    sized: list[Candidate] = []
+    if home_report is not None:
+        home_ok = peer_status(home_report, now_ms, stale_after_ms) is PeerStatus.OK
+        sized += [Candidate(peer_id=home, backend=b, trusted=home_ok) for b in candidates]
     # Peers not OK now, with the backends they are known to have: they may host the job later.
     absent: dict[str, list[BackendReport]] = {}
     for report in sorted(reports, key=lambda r: r.peer_id):
@@ -271,8 +299,17 @@ def classify(
         status = peer_status(report, now_ms, stale_after_ms)
         if status is PeerStatus.OK:
             candidates.extend(report.backends)
+            sized += [Candidate(peer_id=report.peer_id, backend=b, trusted=True) for b in report.backends]
         else:
-            absent[f"{report.peer_id} {status.value}"] = _known_backends(report, configured)
+            theirs = _known_backends(report, configured)
+            absent[f"{report.peer_id} {status.value}"] = theirs
+            # Its last report's totals, or none as configured: not trusted while it is not OK.
+            sized += [Candidate(peer_id=report.peer_id, backend=b, trusted=False) for b in theirs]
+    oversized = too_large(job, sized) if reject_too_large else None
+    if oversized is not None:
+        return Classification(
+            disposition=Disposition.REJECT, reason=oversized.reason(), code=ReasonCode.TooLarge
+        )
 
     def fits(backends: Sequence[BackendReport]) -> bool:
         return any(matches(constraints, b.advertised_attributes) for b in backends)

@@ -206,6 +206,9 @@ class Classification(BaseModel):
     pinned_cluster: str | None = None
     reason: str
     placement: Placement | None = None
+    # The reason's stable code when classification names one (a job too large for every backend
+    # of its shape: ``TooLarge``); None leaves the state's own (iris/jobs.py state_code).
+    code: ReasonCode | None = None
 
 
 class WaitKind(StrEnum):

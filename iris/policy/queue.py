@@ -154,7 +154,8 @@ class DryRun(BaseModel):
     pinned_cluster: str | None = None
     # Where it would be placed now (at home through the CAS, or by the next tick); None: it waits.
     placement: Placement | None = None
-    # Why it would wait (the tick's summary and its code), when it would.
+    # Why it would wait (the tick's summary and its code), when it would; or the code of its
+    # rejection when classification names one (``TooLarge``).
     waiting: str | None = None
     code: ReasonCode | None = None
     # The place it would take in the queue (a job that runs at home at once still passes through it).
@@ -250,7 +251,7 @@ def dry_run(
     )
     placement = decision.placement if decision.disposition is Disposition.LOCAL and not pin else None
     waiting: str | None = None
-    code: ReasonCode | None = None
+    code: ReasonCode | None = decision.code if decision.disposition is Disposition.REJECT else None
     if queues:
         placement = result.placement_for(own.job_id)
         explanation = result.explain(own.job_id)

@@ -55,6 +55,10 @@ class ReasonCode(StrEnum):
     # Ended at submit: the workflow's input is not a job spec the SDK would submit (undecodable,
     # malformed, beyond a limit, or a value a cluster's launch would refuse).
     InvalidSubmission = "InvalidSubmission"
+    # Ended at submit: the job needs more on one backend (its gang: count x replicas chips, or
+    # one CPU slot per replica) than any backend of its shape has in all, by the totals its
+    # clusters report; a backend whose total is unknown never counts against it.
+    TooLarge = "TooLarge"
     # Ended: cancelled by its owner or an admin (before handoff, or terminated on its cluster).
     Cancelled = "Cancelled"
     # Ended: its scheduling timeout passed before any cluster had room.
