@@ -33,6 +33,8 @@ class PromoteInput(BaseModel):
     job_id: str
     incarnation: str
     placement: Placement
+    # A parked job's replay in place taking its released capacity again (FederationStore.promote).
+    retake: bool = False
 
 
 class CancelIntentInput(BaseModel):
@@ -52,6 +54,8 @@ class HandleStateInput(BaseModel):
     reason: str | None = None
     # HANDED_OFF: the cluster's clock when it accepted the job (its JobStatus.created_ms).
     counted_from_ms: int | None = None
+    # HANDOFF_FAILED: the job is known not to run on its cluster; its reservation is deleted.
+    release: bool = False
 
 
 class FenceInput(BaseModel):
@@ -99,7 +103,14 @@ class StoreActivities:
     async def promote_job(self, inp: PromoteInput) -> PromoteResult:
         """The compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)"), in one store transaction."""
         return await asyncio.to_thread(
-            self._store.promote, inp.job_id, inp.incarnation, inp.placement, int(time.time() * 1000)
+            functools.partial(
+                self._store.promote,
+                inp.job_id,
+                inp.incarnation,
+                inp.placement,
+                int(time.time() * 1000),
+                retake=inp.retake,
+            )
         )
 
     @activity.defn(name=contract.RECORD_CANCEL)
@@ -131,6 +142,7 @@ class StoreActivities:
                     inp.state,
                     inp.reason,
                     counted_from_ms=inp.counted_from_ms,
+                    release=inp.release,
                 )
             )
         except StoreConflict as exc:  # a refused transition is an answer, not an outage: never retried

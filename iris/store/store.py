@@ -307,7 +307,9 @@ class FederationStore:
 
     # ---- the compare-and-swap (docs/DESIGN.md, "Promotion (the CAS)") --------------------------
 
-    def promote(self, job_id: str, incarnation: str, placement: Placement, now_ms: int) -> PromoteResult:
+    def promote(
+        self, job_id: str, incarnation: str, placement: Placement, now_ms: int, *, retake: bool = False
+    ) -> PromoteResult:
         """Move the handle QUEUED_HANDOFF → PENDING_HANDOFF(peer, backend) and charge the ledger.
 
         Only if the handle of this incarnation is still queued, has no cancel intent, has not
@@ -317,6 +319,12 @@ class FederationStore:
         recorded against that latest observation. A retry while that promotion is live (pending,
         handed off or parked) answers ALREADY_PROMOTED without charging twice; an ended handle is
         never reported promoted again. Any refusal but CANCELLED and EXPIRED leaves the job queued.
+
+        ``retake``: an operator's replay in place of a parked job whose reservation was released
+        when it parked (``set_state(..., release=True)``): the same CAS from HANDOFF_FAILED, to the
+        cluster the handle is assigned to, with no deadline (it applies only while queued). A
+        refusal leaves the handle parked; a handle that still holds its reservation keeps it and
+        is not charged twice (docs/DESIGN.md, "Errors, retries and parking").
         """
         if placement.job_id and placement.job_id != job_id:
             raise ValueError(f"placement is for job {placement.job_id!r}, not {job_id!r}")
@@ -339,6 +347,8 @@ class FederationStore:
                 raise StoreConflict(
                     f"job {job_id} is pinned to {pin}; refusing to promote it to {placement.peer_id}"
                 )
+            if retake and handle.state is HandleState.HANDOFF_FAILED:
+                return self._retake(conn, handle, placement, now_ms)
             if handle.state is not HandleState.QUEUED_HANDOFF:
                 return self._not_queued(conn, handle, placement)
             if handle.cancel_requested:
@@ -391,6 +401,51 @@ class FederationStore:
             )
 
         return self._run(body)
+
+    @staticmethod
+    def _retake(conn: Connection, handle: JobHandle, placement: Placement, now_ms: int) -> PromoteResult:
+        """A parked handle takes its capacity again through the CAS (``promote(retake=True)``)."""
+        job_id = handle.job_id
+        if handle.cancel_requested:
+            return PromoteResult(
+                outcome=PromoteOutcome.CANCELLED,
+                message=f"job {job_id} has a cancel request: {handle.cancel_reason or 'cancelled'}",
+                handle=handle,
+            )
+        if handle.assigned_peer != placement.peer_id:
+            return PromoteResult(
+                outcome=PromoteOutcome.NOT_QUEUED,
+                message=f"job {job_id} is parked on {handle.assigned_peer}, not {placement.peer_id}",
+                handle=handle,
+            )
+        reservation = _job_reservation(conn, job_id)
+        observation = handle.observation_epoch_ms
+        if reservation is not None:
+            observation = reservation.observation_epoch_ms  # never released: kept, not charged twice
+        elif placement.reserved:
+            charged = _charge(conn, handle, placement, now_ms)
+            if isinstance(charged, PromoteResult):
+                return charged
+            reservation = charged
+            observation = charged.observation_epoch_ms
+        promoted = handle.model_copy(
+            update={
+                "state": HandleState.PENDING_HANDOFF,
+                "assigned_backend": placement.backend_id or None,
+                "observation_epoch_ms": observation,
+                "updated_ms": now_ms,
+            }
+        )
+        _write_handle(conn, promoted)
+        target = _target(placement.peer_id, placement.backend_id)
+        if reservation is None:
+            message = f"retaken on {target} (shape-only; nothing reserved)"
+        else:
+            amounts = ", ".join(f"{n} {t}" for t, n in sorted(reservation.amounts.items()))
+            message = f"retaken on {target}; reserved {amounts} of observation {observation}"
+        return PromoteResult(
+            outcome=PromoteOutcome.PROMOTED, message=message, handle=promoted, reservation=reservation
+        )
 
     @staticmethod
     def _not_queued(conn: Connection, handle: JobHandle, placement: Placement) -> PromoteResult:
@@ -555,6 +610,7 @@ class FederationStore:
         reason: str | None = None,
         *,
         counted_from_ms: int | None = None,
+        release: bool = False,
     ) -> JobHandle | None:
         """Record HANDED_OFF, HANDOFF_FAILED or a terminal state; None for an unknown or stale handle.
 
@@ -562,8 +618,12 @@ class FederationStore:
         reservations. A queued handle cannot be handed off (promote it first): ``StoreConflict``.
         ``counted_from_ms`` (HANDED_OFF) is the cluster's clock when it accepted the job: the
         reservation stays charged until an observation at least that new counts the job
-        (``prune_reservations``).
+        (``prune_reservations``). ``release`` (HANDOFF_FAILED only): the parked job is known not to
+        run on its cluster, so its reservation is deleted at once; a replay in place takes it
+        again through ``promote(retake=True)`` (docs/DESIGN.md, "Errors, retries and parking").
         """
+        if release and state is not HandleState.HANDOFF_FAILED:
+            raise ValueError(f"only a parked job releases its reservation, not one set {state}")
         if state in (HandleState.QUEUED_HANDOFF, HandleState.PENDING_HANDOFF):
             raise ValueError(f"{state} is set by enqueue/requeue and promote, not set_state")
 
@@ -576,6 +636,8 @@ class FederationStore:
             if counted_from_ms is not None and state is HandleState.HANDED_OFF:
                 t = reservations_table
                 conn.execute(update(t).where(t.c.job_id == job_id).values(counted_from_ms=counted_from_ms))
+            if release and handle.state in (HandleState.PENDING_HANDOFF, HandleState.HANDOFF_FAILED):
+                _delete_reservations(conn, [job_id])
             if handle.state is state and reason in (None, handle.reason):
                 return handle
             if handle.state is HandleState.QUEUED_HANDOFF and not state.terminal:
