@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 # The demo topology with the GPU peers on a local Ray head (`iris dev --ray`).
 RAY_CONFIG = PROJECT_ROOT / "config" / "clusters-ray.toml"
+# ... and on a local single-node Slurm (`iris dev --backend slurm`; iris/slurmdev.py).
+SLURM_CONFIG = PROJECT_ROOT / "config" / "clusters-slurm.toml"
+BACKENDS = ("process", "ray", "slurm")
 
 
 def _ports(cfg: FederationConfig) -> list[tuple[str, str, int]]:
@@ -168,6 +171,15 @@ def dev_command(
             "GPU peers on Ray) on a local Ray head started and stopped with the stack.",
         ),
     ] = False,
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend",
+            help="Where the GPU peers run their jobs: process, ray (as --ray), or slurm: a single-node "
+            "Slurm (munged, slurmctld, slurmd) under DATA_DIR/slurm, started and stopped with the "
+            "stack (default config: config/clusters-slurm.toml).",
+        ),
+    ] = "process",
     worker_metrics: Annotated[
         str,
         typer.Option(
@@ -201,8 +213,13 @@ def dev_command(
     from iris.payloadcodec import KEYRING_NAME, PAYLOAD_KEYS_ENV, install_keyring, read_keyring
     from iris.userauth import register_user, user_key_dir
 
+    if backend not in BACKENDS:
+        common.fail(f"--backend: {backend!r} is not one of {', '.join(BACKENDS)}", common.EXIT_INVALID)
+    ray = ray or backend == "ray"
     if ray and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
         common.STATE.config_file = RAY_CONFIG
+    if backend == "slurm" and common.STATE.config_file is None and not os.environ.get(CONFIG_ENV):
+        common.STATE.config_file = SLURM_CONFIG
     cfg = common.config()
     cfg_file = config_path(common.STATE.config_file).resolve()
     missing = devstack.missing_emulators()
@@ -217,6 +234,18 @@ def dev_command(
         common.fail(str(exc), common.EXIT_INVALID)
     if ray and not ray_specs:
         common.fail(f'--ray: {cfg_file} has no backend with kind = "ray"', common.EXIT_INVALID)
+    slurm_spec = None
+    if backend == "slurm":
+        from iris import slurmdev
+
+        slurm_spec = slurmdev.spec_for(cfg)
+        if slurm_spec is None:
+            common.fail(
+                f'--backend slurm: {cfg_file} has no backend with kind = "slurm"', common.EXIT_INVALID
+            )
+        why = slurmdev.unavailable()
+        if why is not None:
+            common.fail(f"--backend slurm: {why}", common.EXIT_UNAVAILABLE)
     try:
         metrics_host, metrics_port = devstack.host_port(worker_metrics)
     except ValueError as exc:
@@ -269,10 +298,16 @@ def dev_command(
     # The user's signing key, created on first start and registered (admin) in this stack's config,
     # so `iris job run` works at once with verification on (docs/DESIGN.md, "User → home").
     user_key, _, user_key_created = register_user(cfg, current_user(), ["admin"])
-    # Ray heads start first: they take longest to come up.
+    # Ray heads start first: they take longest to come up. A Slurm too: the controllers' Slurm
+    # backends read the config it writes (their slurm.conf, their jobs' directory).
     heads = [devstack.ray_head(spec, data_dir, name="Ray head") for spec in ray_specs]
-    services = [
+    slurms = []
+    if slurm_spec is not None:
+        slurm, cfg_file = slurmdev.for_dev(slurm_spec, cfg, data_dir)
+        slurms.append(slurm)
+    services: list[devstack.ManagedProcess | slurmdev.SlurmCluster] = [
         *heads,
+        *slurms,
         devstack.temporal_server(
             cfg, data_dir, db_file=data_dir / "temporal.db", metrics_port=temporal_metrics_port
         ),
@@ -283,7 +318,7 @@ def dev_command(
             for c in cfg.clusters
         ),
     ]
-    started: list[devstack.ManagedProcess] = []
+    started: list[devstack.ManagedProcess | slurmdev.SlurmCluster] = []
     code = common.EXIT_OK
     try:
         typer.echo(f"data directory: {data_dir}")
@@ -310,7 +345,7 @@ def dev_command(
     finally:
         _STOP.requested = True  # from here on, signals only say that the stack is stopping
         for svc in reversed(started):
-            if any(svc is head for head in heads):
+            if isinstance(svc, devstack.ManagedProcess) and any(svc is head for head in heads):
                 devstack.stop_ray_head(svc)
             else:
                 svc.stop()

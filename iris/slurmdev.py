@@ -430,6 +430,19 @@ def point_at(
                 b.slurm_env.setdefault("PATH", cluster.job_path)
 
 
+def for_dev(spec: SlurmSpec, config: FederationConfig, data_dir: Path) -> tuple[SlurmCluster, Path]:
+    """``iris dev --backend slurm``: the config's one local Slurm, under ``DATA_DIR/slurm``, and the
+    config its controllers read, ``DATA_DIR/clusters-slurm.json``: ``config`` with its Slurm
+    backends pointed at that Slurm (``point_at``)."""
+    cluster = SlurmCluster(spec, data_dir / "slurm")
+    pointed = config.model_copy(deep=True)
+    point_at(pointed, cluster)
+    path = data_dir / "clusters-slurm.json"
+    path.write_text(pointed.model_dump_json(indent=2))
+    os.chmod(path, 0o600)
+    return cluster, path
+
+
 @contextlib.contextmanager
 def running(spec: SlurmSpec, root: Path, timeout: float = 60.0) -> Iterator[SlurmCluster]:
     """A started cluster for the block, stopped after it."""

@@ -167,6 +167,8 @@ async def executor_on(
     }
     config = FederationConfig.model_validate(federation(cluster("home"), peer))
     os.makedirs(state_dir, exist_ok=True)
+    # As a controller process runs (iris/controller/__main__.py): what it creates is its own.
+    umask = os.umask(0o077)
     store = StateStore(state_dir)
     executor = Executor(config.cluster("peer"), state_dir, store, kill_grace_s=kill_grace_s)
     executor.recover()
@@ -183,6 +185,7 @@ async def executor_on(
         runs = {f"iris:{j.run_id}" for j in executor.jobs.values()}
         await executor.shutdown()
         store.close()
+        os.umask(umask)
         if not leave:
             await asyncio.to_thread(cancel_runs, slurm, runs)
 

@@ -144,6 +144,7 @@ class SlurmJob:
     nodes: str = ""
     partition: str = ""
     user: str = ""
+    name: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -190,6 +191,7 @@ def parse_jobs(data: Mapping[str, Any]) -> list[SlurmJob]:
                 nodes=_text(raw.get("nodes")),
                 partition=_text(raw.get("partition")),
                 user=_text(raw.get("user_name")),
+                name=_text(raw.get("name")),
             )
         )
     return jobs
@@ -686,7 +688,9 @@ class SlurmBackend(Backend):
         job cannot change: Slurm appends to it, the controller reads it)."""
         if paths.run.exists():
             shutil.rmtree(paths.run)
-        paths.run.mkdir(mode=0o711 if self.switch else 0o700)
+        paths.run.mkdir()
+        # Set, not asked of mkdir: the controller's umask (077) would take the search bits.
+        os.chmod(paths.run, 0o711 if self.switch else 0o700)
         paths.workdir.mkdir(mode=0o700)
         if job.bundle is not None:
             self.host.bundles.unpack_into(job.bundle, paths.workdir)
