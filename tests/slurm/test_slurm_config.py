@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import readme
 from pydantic import ValidationError
 
 from iris import slurmdev
@@ -28,6 +30,7 @@ from iris.controller.executors.slurm import (
 )
 from iris.controller.models import LaunchRequest
 from iris.controller.state import JobRecord
+from iris.policy.models import DeviceRequest
 
 SLURM_KEYS = {"kind", "slurm_partition", "slurm_gres"}
 
@@ -160,8 +163,6 @@ def test_sinfo_gres_give_each_token_its_type_s_gpus_on_the_backend_s_up_nodes() 
 
 
 def job(replicas: int = 1) -> JobRecord:
-    from iris.policy.models import DeviceRequest
-
     req = LaunchRequest(
         job_id="alice/x",
         command=["python", "train.py", "--name", "it's"],
@@ -195,3 +196,14 @@ def test_a_work_dir_the_job_s_user_cannot_reach_is_named(tmp_path: Path) -> None
     assert unreachable_by(closed / "work", 0, 0) is None
     opened = Path("/tmp")
     assert unreachable_by(opened, nobody, nobody) is None
+
+
+def test_the_readme_slurm_block_is_a_valid_backend() -> None:
+    data = tomllib.loads(readme.block("slurm-backend").text)
+    (backend,) = data["clusters"]["backends"]
+    parsed = BackendConfig.model_validate(backend)
+    assert parsed.kind == "slurm" and parsed.slurm_gres_type("h100") == "h100"
+    assert (
+        parsed.slurm_partition_for("batch") == "gpu-low"
+        and parsed.slurm_partition_for("interactive") == "gpu"
+    )
