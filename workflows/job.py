@@ -195,6 +195,22 @@ SIGNALS_PATCH = "checked-internal-signals-v1"
 # carries a Carry without continuing a run is one of them. A launch request its cluster would
 # refuse parks the job instead of failing its task. Asked at the top of every run.
 SUBMISSION_PATCH = "checked-submissions-v1"
+# Runs with this patch reject at classification a job that no backend of its shape can ever hold:
+# its whole gate on one backend is more than every matching backend's reported total, none of them
+# unknown (iris/policy/sizing.py; docs/DESIGN.md, "Classification": "Never fits"). It ends REJECTED
+# with the code TooLarge, naming the largest matching backend; a run begun before it queues such a
+# job for ever. Asked in a new run's first task, with ATTEMPTS_PATCH.
+SIZE_PATCH = "oversized-rejected-v1"
+# Runs with this patch free a parked job's capacity at once when the job is known not to run on its
+# cluster: the park came before any launch of the attempt went unanswered (``maybe_on`` unset), or
+# the cluster since confirmed it never received the job. The handle's reservation is deleted with
+# the park (set_handle_state release); a replay in place takes it again through the CAS (promote_job
+# retake: the same cluster and backend, the ledger checked as for any promotion) and, refused because
+# another job took the capacity meanwhile, goes back to the queue. A launch whose outcome is unknown
+# keeps the reservation until its cluster answers (docs/DESIGN.md, "Errors, retries and parking").
+# A run that predates it keeps the reservation while parked, as before. Asked in the first task of
+# every run, as FEED_PATCH.
+PARK_PATCH = "parked-frees-capacity-v1"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
@@ -327,6 +343,10 @@ class Carry(BaseModel):
     observed: Observation | None = None
     seen_version: tuple[str, int] | None = None
     logs_until_ms: int = 0
+    # The job's last won promotion, and whether its park released that reservation (PARK_PATCH);
+    # None and False in a carry that predates it.
+    promoted: Placement | None = None
+    released: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +433,12 @@ class _Job:
     checked: bool = False
     # ``placement`` is an operator's verified replay, not a signal: it is promoted as it is.
     vouched: bool = False
+    # Whether this run rejects a job that can never fit (SIZE_PATCH) and frees a parked job's
+    # capacity (PARK_PATCH); the job's last won promotion, and whether its park released it.
+    sizing: bool = False
+    frees: bool = False
+    promoted: Placement | None = None
+    released: bool = False
 
     @property
     def incarnation(self) -> str:
@@ -475,6 +501,8 @@ class JobWorkflow:
                 observed=carry.observed,
                 seen_version=carry.seen_version,
                 logs_until_ms=carry.logs_until_ms,
+                promoted=carry.promoted,
+                released=carry.released,
             )
 
     @staticmethod
@@ -765,7 +793,12 @@ class JobWorkflow:
         )
 
     async def _handle_state(
-        self, state: HandleState, reason: str | None = None, *, counted_from_ms: int | None = None
+        self,
+        state: HandleState,
+        reason: str | None = None,
+        *,
+        counted_from_ms: int | None = None,
+        release: bool = False,
     ) -> None:
         job = self._job
         try:
@@ -777,6 +810,7 @@ class JobWorkflow:
                     state=state,
                     reason=reason,
                     counted_from_ms=counted_from_ms,
+                    release=release,
                 ),
             )
         except (ActivityError, ApplicationError) as exc:
@@ -848,6 +882,7 @@ class JobWorkflow:
             # SDK then heartbeats that task) may land ahead of the activity's own marker, and a
             # replay that first asks after the activity finds it out of place (nondeterminism).
             job.numbered = workflow.patched(ATTEMPTS_PATCH)
+            job.sizing = workflow.patched(SIZE_PATCH)
         # In the first task of every run, as the patches above (memoized for the handlers).
         authenticating = self._authenticating()
         # Likewise in the first task, not where a running attempt is first followed: asked there,
@@ -856,6 +891,7 @@ class JobWorkflow:
         job.preemption = workflow.patched(PREEMPT_PATCH)
         job.timers = workflow.patched(TIMERS_PATCH)
         job.wary = workflow.patched(SIGNALS_PATCH)
+        job.frees = workflow.patched(PARK_PATCH)
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -882,7 +918,7 @@ class JobWorkflow:
         # included: an operator's replay must keep to it too.
         self._job.pin = decision.pinned_cluster
         if decision.disposition is Disposition.REJECT:
-            await self._finish(JobState.REJECTED, decision.reason)
+            await self._finish(JobState.REJECTED, decision.reason, decision.code)
         if self._job.cancel is not None:
             await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if decision.disposition is Disposition.LOCAL:
@@ -1033,6 +1069,8 @@ class JobWorkflow:
             observed=job.observed,
             seen_version=job.seen_version,
             logs_until_ms=job.logs_until_ms,
+            promoted=job.promoted,
+            released=job.released,
         )
         workflow.continue_as_new(args=[job.spec, carry])
 
@@ -1059,6 +1097,7 @@ class JobWorkflow:
             stale_after_ms=view.stale_after_ms,
             configured=view.configured,
             reservations=view.reservations,
+            reject_too_large=job.sizing,
         )
         job.clusters = [r.peer_id for r in view.reports]
         job.view = view
@@ -1231,9 +1270,11 @@ class JobWorkflow:
             metrics.QUEUE_WAIT, "From entering the federation queue to a won promotion", "s"
         ).record(waited_s, self._metric_labels())
 
-    async def _promote(self, placement: Placement) -> Placement | None:
+    async def _promote(self, placement: Placement, *, retake: bool = False) -> Placement | None:
         """The promotion CAS (docs/DESIGN.md, "Promotion (the CAS)"): the placement with its backend
-        if it won, None if the job waits for another tick; a cancel or expiry that won ends it."""
+        if it won, None if the job waits for another tick; a cancel or expiry that won ends it.
+        ``retake``: a parked job's replay in place takes its released capacity again (PARK_PATCH);
+        refused, the job goes back to the queue to wait for another tick."""
         job = self._job
         # The CAS runs only while this workflow's cancellation state is clear; shielded so a
         # Temporal cancel never abandons it half-way (the store then decides who won). Not a
@@ -1243,7 +1284,9 @@ class JobWorkflow:
         result = await asyncio.shield(
             self._store_step(
                 StoreActivities.promote_job,
-                PromoteInput(job_id=job.spec.job_id, incarnation=job.incarnation, placement=placement),
+                PromoteInput(
+                    job_id=job.spec.job_id, incarnation=job.incarnation, placement=placement, retake=retake
+                ),
                 local=False,
             )
         )
@@ -1251,7 +1294,8 @@ class JobWorkflow:
         if result.promoted:
             backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
             self._event(job.status.state, f"promoted to {target}: {placement.reason or 'placed'}")
-            return placement.model_copy(update={"backend_id": backend})
+            job.promoted = placement.model_copy(update={"backend_id": backend})
+            return job.promoted
         handle = result.handle
         if result.outcome is PromoteOutcome.CANCELLED or (handle is not None and handle.cancel_requested):
             await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
@@ -1260,6 +1304,9 @@ class JobWorkflow:
         ):
             await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
         self._event(job.status.state, f"promotion to {target} refused: {result.message}")
+        if retake:
+            # Still parked in the store: back to the queue, where the tick finds it room.
+            await self._requeue()
         # Capacity another promotion took first: the job waits for room, as the tick would say.
         code = ReasonCode.NoCapacity if result.outcome is PromoteOutcome.NO_CAPACITY else ReasonCode.Pending
         self._set(
@@ -1585,7 +1632,9 @@ class JobWorkflow:
         if not parked.resumed:
             self._set(JobState.HANDOFF_FAILED, parked.reason, code=parked.code)
             if job.queued:
-                await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason)
+                release = self._frees_capacity()
+                await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason, release=release)
+                job.released = release
         probe_in, probe_max = self._probe_schedule()
         while True:
             try:
@@ -1617,10 +1666,21 @@ class JobWorkflow:
             raise _Adopted(cluster, found.status)
         if found.found is AttemptFound.ABSENT:
             job.maybe_on = None
-            self._set(
-                JobState.HANDOFF_FAILED,
-                f"Handoff to {cluster} failed after retries; {cluster} confirms it never received the job",
+            reason = (
+                f"Handoff to {cluster} failed after retries; {cluster} confirms it never received the job"
             )
+            self._set(JobState.HANDOFF_FAILED, reason)
+            if job.queued and not job.released and self._frees_capacity():
+                # Known not to run there now: its capacity is freed (PARK_PATCH).
+                await self._handle_state(HandleState.HANDOFF_FAILED, reason, release=True)
+                job.released = True
+
+    def _frees_capacity(self) -> bool:
+        """Whether a park releases the job's reservation now (PARK_PATCH): only when the job is
+        known not to run on its cluster (no launch of the attempt whose outcome is unknown), and
+        its won promotion is known, to be taken again by a replay in place."""
+        job = self._job
+        return job.frees and job.numbered and job.maybe_on is None and job.promoted is not None
 
     async def _stop_maybe_running(self) -> str:
         """A cancel of a parked job: if its last launch may have landed, terminate it there and wait
@@ -1647,6 +1707,8 @@ class JobWorkflow:
         job = self._job
         self._event(JobState.HANDOFF_FAILED, f"operator replay: {replay.describe()}")
         if not replay.requeue and (replay.peer is None or replay.peer == cluster):
+            if job.released:
+                return await self._retake(view, cluster, backend)
             return cluster, backend
         if job.maybe_on is not None:
             # Forced past an unknown outcome (the validator refuses it otherwise): whatever that
@@ -1668,6 +1730,19 @@ class JobWorkflow:
                 reason="operator replay",
             )
             job.vouched = True
+        placement = await self._await_promotion()
+        return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
+
+    async def _retake(self, view: FederationView, cluster: str, backend: str) -> tuple[str, str]:
+        """A replay in place of a job whose park released its capacity (PARK_PATCH): the same
+        promotion again, through the CAS, so the backend is never over-committed. Refused (another
+        job took the capacity meanwhile), the job waits in the queue for the tick."""
+        job = self._job
+        assert job.promoted is not None
+        job.released = False
+        again = job.promoted.model_copy(update={"reason": "operator replay in place: capacity taken again"})
+        if await self._promote(again, retake=True) is not None:
+            return cluster, backend
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 

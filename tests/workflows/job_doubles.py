@@ -230,6 +230,10 @@ class FakeFederation:
     expired: list[str] = field(default_factory=list)
     requeued: list[str] = field(default_factory=list)
     handle_states: list[tuple[HandleState, str | None]] = field(default_factory=list)
+    # The reasons of the handle states written with ``release`` (a park that frees the job's
+    # reservation), and the placements promoted with ``retake`` (a replay in place taking it again).
+    releases: list[str | None] = field(default_factory=list)
+    retakes: list[Placement] = field(default_factory=list)
     artifact_checks: list[tuple[str, list[str]]] = field(default_factory=list)
     stagings: list[str] = field(default_factory=list)
     launch_attempts: list[str] = field(default_factory=list)
@@ -566,6 +570,8 @@ class FakeFederation:
     async def promote_job(self, inp: PromoteInput) -> PromoteResult:
         await self._enter(contract.PROMOTE_JOB)
         self.promotions.append(inp.placement)
+        if inp.retake:
+            self.retakes.append(inp.placement)
         outcome = _next(self.promote)
         handle = None
         if outcome.promoted:
@@ -609,6 +615,8 @@ class FakeFederation:
                 non_retryable=True,
             )
         self.handle_states.append((inp.state, inp.reason))
+        if inp.release:
+            self.releases.append(inp.reason)
 
 
 # ---- driving a job ------------------------------------------------------------------------------

@@ -298,4 +298,9 @@ async def test_a_parked_job_replayed_to_the_same_cluster_keeps_its_backend(fed: 
     st = await fed.result(handle)
 
     assert (st.cluster, st.backend_id) == (PEER, PEER_BACKEND)
-    assert fake.requeued == [] and len(fake.promotions) == 1
+    # Not through the queue: the park freed its capacity, the replay took it again by the CAS.
+    assert (
+        fake.requeued == []
+        and [(p.peer_id, p.backend_id) for p in fake.promotions] == [(PEER, PEER_BACKEND)] * 2
+    )
+    assert fake.retakes == fake.promotions[1:]
