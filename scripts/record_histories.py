@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from determinism.history_files import load as load_history  # noqa: E402
-from stack import Stack, StackRunner  # noqa: E402
+from stack import WAITS, Stack, StackRunner  # noqa: E402
 from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
@@ -118,6 +118,20 @@ async def queued_handed_off(stack: Stack) -> str:
     return job_id
 
 
+def held(drive: Callable[[Stack], Awaitable[str]]) -> Callable[[Stack], Awaitable[str]]:
+    """A scenario whose job must wait in the queue (WAITS: 16 H100 on one backend) runs while a
+    sleeper holds one H100 of cw-us-east-02a (``Stack.holding``): a job larger than every backend
+    is rejected at submit instead (docs/DESIGN.md, "Never fits")."""
+
+    async def run(stack: Stack) -> str:
+        async with stack.holding():
+            return await drive(stack)
+
+    run.__name__ = drive.__name__
+    run.__doc__ = drive.__doc__
+    return run
+
+
 async def followed_by_watcher(stack: Stack) -> str:
     """FEED_PATCH: a job running on a peer, followed through the peer's watcher (no poller)."""
     job_id = await _submit(stack, "followed-by-watcher", ["sleep", "3"], target_cluster="cw-us-east-02a")
@@ -125,34 +139,38 @@ async def followed_by_watcher(stack: Stack) -> str:
     return job_id
 
 
+@held
 async def cancelled_while_queued(stack: Stack) -> str:
-    job_id = await _submit(stack, "cancel-queued", ["true"], replicas=3, **H100)  # fits nowhere: waits
+    job_id = await _submit(stack, "cancel-queued", ["true"], **WAITS)  # no room now: waits
     await _state(stack, job_id, JobState.QUEUED_HANDOFF)
     outcome = await stack.iris.cancel_and_report(job_id)
     assert outcome.won, outcome
     return job_id
 
 
+@held
 async def cancelled_by_signal_while_queued(stack: Stack) -> str:
-    job_id = await _submit(stack, "cancel-signal", ["true"], replicas=3, **H100)
+    job_id = await _submit(stack, "cancel-signal", ["true"], **WAITS)
     await _state(stack, job_id, JobState.QUEUED_HANDOFF)
     await stack.iris.cancel(job_id)
     await _state(stack, job_id, JobState.KILLED)
     return job_id
 
 
+@held
 async def cancelled_through_temporal(stack: Stack) -> str:
-    job_id = await _submit(stack, "cancel-temporal", ["true"], replicas=3, **H100)
+    job_id = await _submit(stack, "cancel-temporal", ["true"], **WAITS)
     await _state(stack, job_id, JobState.QUEUED_HANDOFF)
     await stack.client.get_workflow_handle(job_id).cancel()
     await _state(stack, job_id, JobState.KILLED)
     return job_id
 
 
+@held
 async def unsigned_cancel_ignored(stack: Stack) -> str:
     """AUTH_PATCH: a signed submission; a bare cancel signal (no signature) is recorded and ignored,
     the owner's signed cancel ends the job."""
-    job_id = await _submit(stack, "unsigned-cancel", ["true"], replicas=3, **H100)
+    job_id = await _submit(stack, "unsigned-cancel", ["true"], **WAITS)
     await _state(stack, job_id, JobState.QUEUED_HANDOFF)
     await stack.client.get_workflow_handle(job_id).signal(contract.CANCEL, CancelRequest(reason="bare"))
     deadline = time.monotonic() + 30
@@ -228,8 +246,9 @@ async def parked_replayed(stack: Stack) -> str:
     return job_id
 
 
+@held
 async def deadline_unschedulable(stack: Stack) -> str:
-    job_id = await _submit(stack, "deadline", ["true"], replicas=3, scheduling_timeout_s=2, **H100)
+    job_id = await _submit(stack, "deadline", ["true"], scheduling_timeout_s=2, **WAITS)
     await _state(stack, job_id, JobState.UNSCHEDULABLE)
     return job_id
 
@@ -346,10 +365,11 @@ async def _code(stack: Stack, job_id: str, code: ReasonCode, within: float = 60.
         await asyncio.sleep(0.2)
 
 
+@held
 async def explained_then_cancelled(stack: Stack) -> str:
     """REASON_PATCH: the tick explains why the job waits, with its code (explain_reason; IrisReason
-    NoCapacity: 24 chips fit on no backend), then the owner's cancel ends it (Cancelled)."""
-    job_id = await _submit(stack, "explained-cancelled", ["true"], replicas=3, **H100)
+    NoCapacity: 16 chips, one of them held), then the owner's cancel ends it (Cancelled)."""
+    job_id = await _submit(stack, "explained-cancelled", ["true"], **WAITS)
     await _code(stack, job_id, ReasonCode.NoCapacity)
     await stack.iris.cancel(job_id)
     await _state(stack, job_id, JobState.KILLED)
@@ -428,14 +448,13 @@ async def _event(stack: Stack, job_id: str, prefix: str, within: float = 60.0) -
         await asyncio.sleep(0.2)
 
 
+@held
 async def forged_place_and_expire_ignored(stack: Stack) -> str:
-    """SIGNALS_PATCH: a queued `--zone us-east-02a --no-preemptible` job (24 chips: it fits nowhere)
+    """SIGNALS_PATCH: a queued `--zone us-east-02a --no-preemptible` job (16 chips, one of them held)
     gets a forged expire (it has no deadline) and a forged place to cw-rno2a (another zone,
     preemptible): both are recorded and ignored (the reports read again before the placement is
     refused); its owner then cancels it."""
-    job_id = await _submit(
-        stack, "forged-place", ["true"], replicas=3, zone="us-east-02a", preemptible=False, **H100
-    )
+    job_id = await _submit(stack, "forged-place", ["true"], zone="us-east-02a", preemptible=False, **WAITS)
     await _state(stack, job_id, JobState.QUEUED_HANDOFF)
     handle = stack.client.get_workflow_handle(job_id)
     await handle.signal(contract.EXPIRE)
@@ -499,6 +518,48 @@ async def foreign_name_rejected(stack: Stack) -> str:
     return spec.job_id
 
 
+async def too_large_rejected(stack: Stack) -> str:
+    """SIZE_PATCH: 32 H100 on one backend, where the largest (cw-us-east-02a) has 16: REJECTED at
+    classification (TooLarge), nothing enqueued. The SDK's precheck knows only the configured shapes
+    (no totals), so the workflow is what rejects it."""
+    job_id = await _submit(stack, "too-large", ["true"], device_type="h100", gpu_count=32)
+    status = await _code(stack, job_id, ReasonCode.TooLarge)
+    assert status.state is JobState.REJECTED, status
+    return job_id
+
+
+async def _parked_on_rno(stack: Stack, name: str, key: str) -> str:
+    uri = f"s3://cw-rno2a-artifacts/{key}"
+    job_id = await _submit(stack, name, ["echo", "late"], target_cluster="cw-rno2a", artifacts=[uri], **H100)
+    await _state(stack, job_id, JobState.HANDOFF_FAILED)
+    return job_id
+
+
+async def parked_released_retaken(stack: Stack) -> str:
+    """PARK_PATCH: an 8-GPU job parked on cw-rno2a (its artifact missing) releases its reservation
+    at the park; replayed in place once the artifact is there, it takes the capacity again through
+    the CAS (promote_job retake) and runs."""
+    job_id = await _parked_on_rno(stack, "parked-retaken", "hist/retaken.bin")
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "hist/retaken.bin")
+    await stack.iris.replay_handoff(job_id)
+    await _state(stack, job_id, JobState.SUCCEEDED)
+    return job_id
+
+
+async def parked_retake_requeued(stack: Stack) -> str:
+    """PARK_PATCH: the parked job's freed capacity goes to another 8-GPU job at once; the replay in
+    place then finds it taken (the CAS refuses the retake), so the job waits in the queue, and the
+    tick places it when the other job ends."""
+    job_id = await _parked_on_rno(stack, "parked-requeued", "hist/requeued.bin")
+    other = await _submit(stack, "took-it", ["sleep", "15"], target_cluster="cw-rno2a", **H100)
+    await _state(stack, other, JobState.RUNNING)
+    await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", "hist/requeued.bin")
+    await stack.iris.replay_handoff(job_id)
+    await _state(stack, job_id, JobState.QUEUED_HANDOFF)
+    await _state(stack, job_id, JobState.SUCCEEDED, within=120)
+    return job_id
+
+
 Drive = Callable[[Stack], Awaitable[str]]
 
 
@@ -539,6 +600,9 @@ SCENARIOS = [
     Scenario("forged_observe_ignored", forged_observe_ignored),
     Scenario("malformed_start_rejected", malformed_start_rejected),
     Scenario("foreign_name_rejected", foreign_name_rejected),
+    Scenario("too_large_rejected", too_large_rejected),
+    Scenario("parked_released_retaken", parked_released_retaken, alone=True),
+    Scenario("parked_retake_requeued", parked_retake_requeued, alone=True),
 ]
 MANAGER = "placement_manager"
 WATCHER = "peer_watch"

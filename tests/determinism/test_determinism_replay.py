@@ -37,9 +37,11 @@ from workflows.job import (
     FEED_PATCH,
     HOME_LEDGER_PATCH,
     LOCAL_STEPS_PATCH,
+    PARK_PATCH,
     PREEMPT_PATCH,
     REASON_PATCH,
     SIGNALS_PATCH,
+    SIZE_PATCH,
     SUBMISSION_PATCH,
     TERMINAL_LAUNCH_PATCH,
     TIMERS_PATCH,
@@ -97,6 +99,12 @@ PATCHED_PATHS = {
     # Issue 26: a raw start with `{}`, and eve's signed spec under another user's job id: REJECTED.
     "malformed_start_rejected": SUBMISSION_PATCH,
     "foreign_name_rejected": SUBMISSION_PATCH,
+    # Issue 27: 32 H100 where the largest backend has 16, REJECTED at classification (TooLarge); a
+    # job parked on a missing artifact frees its reservation, and its replay in place takes it again
+    # through the CAS, or (another job took it meanwhile) waits in the queue and then runs.
+    "too_large_rejected": SIZE_PATCH,
+    "parked_released_retaken": PARK_PATCH,
+    "parked_retake_requeued": PARK_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}
@@ -186,6 +194,9 @@ def test_histories_end_where_their_name_says() -> None:
         "forged_observe_ignored": "SUCCEEDED",
         "malformed_start_rejected": "REJECTED",
         "foreign_name_rejected": "REJECTED",
+        "too_large_rejected": "REJECTED",
+        "parked_released_retaken": "SUCCEEDED",
+        "parked_retake_requeued": "SUCCEEDED",
     }
     for name, state in expected.items():
         history = load(HISTORY_DIR / f"{name}.json")
