@@ -18,6 +18,7 @@ cluster's secret (tests/isolation.py) and no secret is in its histories or the s
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -105,18 +106,35 @@ def xdist_group(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-# What a test costs, roughly, for ordering the groups: one that needs services waits on them.
-E2E_COST_S, FAST_COST_S = 8.0, 0.3
+# What each test took in a recent full run, where it took a second or more (scripts/test_durations.py
+# writes it from a run's JUnit XML); other tests cost SHORT_S, or, without the file, an estimate: one
+# that needs services waits on them.
+DURATIONS = TESTS_DIR / "durations.json"
+E2E_COST_S, FAST_COST_S, SHORT_S = 8.0, 0.3, 0.5
+
+
+def recorded_durations() -> dict[str, float]:
+    try:
+        found = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
+def cost_of(item: pytest.Item, recorded: dict[str, float]) -> float:
+    if recorded:
+        return recorded.get(item.nodeid, SHORT_S)
+    return E2E_COST_S if item.get_closest_marker("e2e") is not None else FAST_COST_S
 
 
 def longest_first(items: list[pytest.Item], groups: dict[int, str]) -> list[pytest.Item]:
-    """``items`` with whole groups (``groups``: by ``id(item)``) ordered by their estimated cost,
-    the costliest first (each group's tests keep their order): the test processes take groups in
-    this order (``--no-loadscope-reorder``), so the long ones start early and none is left alone
-    at the end."""
+    """``items`` with whole groups (``groups``: by ``id(item)``) ordered by their cost, the costliest
+    first (each group's tests keep their order): the test processes take groups in this order
+    (``--no-loadscope-reorder``), so the long ones start early and none is left alone at the end."""
+    recorded = recorded_durations()
     cost: dict[str, float] = {}
     for item in items:
-        each = E2E_COST_S if item.get_closest_marker("e2e") is not None else FAST_COST_S
+        each = cost_of(item, recorded)
         cost[groups[id(item)]] = cost.get(groups[id(item)], 0.0) + each
     rank = {g: i for i, g in enumerate(sorted(cost, key=lambda g: -cost[g]))}
     return sorted(items, key=lambda item: rank[groups[id(item)]])
@@ -176,6 +194,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session")
 def stack_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("keys")
+
+
+@pytest.fixture(autouse=True)
+def no_payload_ring_left_behind() -> Iterator[None]:
+    """The suite's stacks keep their histories in plain text: no payload key ring. A ring in the
+    test process's user key directory (``$IRIS_USER_KEY_DIR``: set by the first stack, inherited
+    by every subprocess) makes every later client of this process encrypt what its stacks' workers
+    cannot read. A test that leaves one there (an `iris dev` run without a user key directory of
+    its own) fails, and the ring is removed so the tests after it are not blamed."""
+    yield
+    from iris.payloadcodec import KEYRING_NAME
+    from iris.userauth import USER_KEY_DIR_ENV
+
+    shared = os.environ.get(USER_KEY_DIR_ENV)
+    ring = Path(shared) / KEYRING_NAME if shared else None
+    if ring is not None and ring.exists():
+        ring.unlink()
+        pytest.fail(f"this test left a payload key ring in the suite's user key directory: {ring}")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,10 +9,12 @@ head, started and stopped with the stack (as ``iris dev --ray`` does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -99,6 +101,15 @@ def free_port_config(
     return cfg
 
 
+# A job the test federation can hold, but not while ``Stack.holding()`` runs: 16 H100 on one backend
+# (2 × 8), which only cw-us-east-02a's 16 hold. A job larger than every backend of its shape is
+# rejected at submit (docs/DESIGN.md, "Never fits"), so a test that needs a job to wait gives it this
+# shape and keeps one of that backend's chips busy meanwhile.
+WAITS: dict[str, Any] = {"device_type": "h100", "gpu_count": 8, "replicas": 2}
+WAITS_ARGS = ("--device-type", "h100", "--gpu-count", "8", "--replicas", "2")
+HELD_CLUSTER = "cw-us-east-02a"
+
+
 class StackClient(AsyncIrisClient):
     """The SDK as the suite uses it: a job ships no workspace unless its test passes ``workdir``.
     The suite runs in the repository, which is not what most tests' jobs are about; the tests of
@@ -162,6 +173,32 @@ class Stack:
         returns the key file."""
         path, _, _ = register_user(self.config, user, roles)
         return path
+
+    @contextlib.asynccontextmanager
+    async def holding(self, cluster: str = HELD_CLUSTER, gpus: int = 1) -> AsyncIterator[str]:
+        """A job holding ``gpus`` H100 of ``cluster`` (RUNNING when this yields its id), cancelled and
+        ended on the way out: the capacity is free again for the next test."""
+        from iris.jobs import JobState
+
+        job_id = await self.iris.submit(
+            ["sleep", "3600"],
+            name=f"holder-{uuid.uuid4().hex[:8]}",
+            target_cluster=cluster,
+            device_type="h100",
+            gpu_count=gpus,
+        )
+        try:
+
+            async def running() -> bool:
+                st = await self.iris.describe(job_id)
+                assert not st.terminal, f"the holder {job_id} ended: {st.state} {st.reason}"
+                return st.state is JobState.RUNNING
+
+            await wait_until(running, timeout=90, what=f"the holder {job_id} to run on {cluster}")
+            yield job_id
+        finally:
+            await self.iris.cancel(job_id)
+            await self.iris.wait(job_id, timeout_s=60)
 
     def cli_env(self) -> dict[str, str]:
         return {**os.environ, "IRIS_CONFIG": str(self.config_file), "IRIS_USER": "tester@example.com"}

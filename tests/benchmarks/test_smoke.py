@@ -158,6 +158,15 @@ def postgres_reachable() -> None:
         engine.dispose()
 
 
+def slurm_available() -> None:
+    """Skip (saying why) where a local Slurm cannot run (iris/slurmdev.py)."""
+    from iris import slurmdev
+
+    why = slurmdev.unavailable()
+    if why is not None:
+        pytest.skip(why)
+
+
 @dataclass(frozen=True)
 class Smoke:
     module: str
@@ -166,6 +175,12 @@ class Smoke:
     # Starts services (and measures a frozen copy of --source unless told the work tree).
     stack: bool = True
     needs: Callable[[], None] | None = None
+    # The test id, when one module is smoked more than one way.
+    name: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.name or self.module
 
 
 SMOKES = [
@@ -175,6 +190,8 @@ SMOKES = [
     Smoke("controller_requests", check_controller_requests),
     Smoke("running", check_running),
     Smoke("trace", check_trace),
+    # The same trace with the GPU peers on a single-node Slurm (issue 30).
+    Smoke("trace", check_trace, ("--backend", "slurm"), needs=slurm_available, name="trace-slurm"),
     Smoke("workers", check_workers, needs=postgres_reachable),
     # Service-free, in-process: the fast subset runs them too.
     Smoke("policy_bench", check_policy_bench, stack=False),
@@ -221,11 +238,11 @@ def run_benchmark(module: str, args: list[str], tmp: Path) -> Run:
 def marks(smoke: Smoke) -> list[pytest.MarkDecorator]:
     # Each benchmark its own xdist group (tests/conftest.py groups a module's tests otherwise): the
     # runs share nothing, so the test processes can split them.
-    return [pytest.mark.xdist_group(f"smoke-{smoke.module}"), *([pytest.mark.e2e] if smoke.stack else [])]
+    return [pytest.mark.xdist_group(f"smoke-{smoke.id}"), *([pytest.mark.e2e] if smoke.stack else [])]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 120)
-@pytest.mark.parametrize("smoke", [pytest.param(s, id=s.module, marks=marks(s)) for s in SMOKES])
+@pytest.mark.parametrize("smoke", [pytest.param(s, id=s.id, marks=marks(s)) for s in SMOKES])
 def test_benchmark_runs_at_its_smoke_size(smoke: Smoke, tmp_path: Path) -> None:
     if smoke.needs is not None:
         smoke.needs()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from iris import slurmdev
 from scripts.chaos import Options, run_chaos
 
 pytestmark = pytest.mark.chaos
@@ -22,7 +23,20 @@ pytestmark = pytest.mark.chaos
 
 @pytest.mark.timeout(1200)
 async def test_chaos_loses_nothing_runs_nothing_twice_and_delivers_nothing_cancelled(tmp_path: Path) -> None:
-    options = Options(jobs=int(os.environ.get("IRIS_CHAOS_JOBS", "200")))
+    await _chaos(Options(jobs=int(os.environ.get("IRIS_CHAOS_JOBS", "200"))), tmp_path)
+
+
+@pytest.mark.timeout(1200)
+async def test_chaos_with_a_peer_on_slurm(tmp_path: Path) -> None:
+    """The same run with cw-us-east-02a's H100 backend on a real single-node Slurm (issue 30):
+    restarted, losing launch replies, partitioned, its jobs' processes SIGKILLed."""
+    why = slurmdev.unavailable()
+    if why is not None:
+        pytest.skip(why)
+    await _chaos(Options(jobs=int(os.environ.get("IRIS_CHAOS_JOBS", "200")), slurm=True), tmp_path)
+
+
+async def _chaos(options: Options, tmp_path: Path) -> None:
     report = await run_chaos(options, tmp_path / "chaos")
     print("\n" + report.table())
     faults = report.faults

@@ -18,6 +18,8 @@ from stack import free_port_config, wait_until
 
 from iris import devstack
 from iris.config import FederationConfig, load_config
+from iris.payloadcodec import PAYLOAD_KEYS_ENV
+from iris.userauth import USER_KEY_DIR_ENV
 
 
 def _pids_mentioning(marker: str) -> list[int]:
@@ -125,6 +127,10 @@ class PtyDev:
             "--worker-metrics", f"127.0.0.1:{devstack.free_port()}",
             "--temporal-metrics-port", str(devstack.free_port()),
         ]  # fmt: skip
+        # Its own user key directory (the ring `iris dev` installs for its CLI goes there), and no
+        # ring of this process's: as a user's shell would have it.
+        self.env = {**os.environ, USER_KEY_DIR_ENV: str(data_dir.parent / "user-keys")}
+        self.env.pop(PAYLOAD_KEYS_ENV, None)
         self.output = bytearray()
         self.proc: asyncio.subprocess.Process | None = None
         self._master = -1
@@ -142,7 +148,7 @@ class PtyDev:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdin=slave, stdout=slave, stderr=slave, cwd=PROJECT_ROOT,
+            *self.argv, stdin=slave, stdout=slave, stderr=slave, cwd=PROJECT_ROOT, env=self.env,
             start_new_session=True, preexec_fn=controlling_terminal,
         )  # fmt: skip
         os.close(slave)

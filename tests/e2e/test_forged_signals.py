@@ -12,7 +12,7 @@ import json
 import uuid
 
 import pytest
-from stack import Stack, wait_until
+from stack import WAITS, Stack, wait_until
 
 from iris import devstack
 from iris.jobs import JobState, JobStatus
@@ -64,16 +64,15 @@ async def state(stack: Stack, job_id: str, *states: JobState, timeout: float = 9
 async def test_a_forged_expiry_and_placement_leave_a_queued_job_waiting(stack: Stack) -> None:
     """`expire` ended a queued job without a deadline; `place` sent a `--zone us-east-02a
     --no-preemptible` job to cw-rno2a (another zone, preemptible) without a reservation."""
+    async with stack.holding():
+        await _forged_place(stack)
+
+
+async def _forged_place(stack: Stack) -> None:
     job_id = await stack.iris.submit(
-        ["true"],
-        name=name("forged-place"),
-        user=USER,
-        replicas=3,
-        zone="us-east-02a",
-        preemptible=False,
-        **H100,
+        ["true"], name=name("forged-place"), user=USER, zone="us-east-02a", preemptible=False, **WAITS
     )
-    await state(stack, job_id, JobState.QUEUED_HANDOFF)  # 24 chips: it fits nowhere, and waits
+    await state(stack, job_id, JobState.QUEUED_HANDOFF)  # no room in us-east-02a now: it waits
 
     await temporal_signal(stack, job_id, "expire")
     st = await event(stack, job_id, "ignored expiry")

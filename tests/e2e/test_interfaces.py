@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from stack import Stack, wait_until
+from stack import WAITS, Stack, wait_until
 
 from iris.config import PROJECT_ROOT
 from iris.jobs import JobState
@@ -52,10 +52,13 @@ async def test_peers_table_and_list_peers_json(stack: Stack) -> None:
 
 
 async def test_list_filters_json_and_reason_column(stack: Stack) -> None:
+    async with stack.holding():
+        await _list_filters(stack)
+
+
+async def _list_filters(stack: Stack) -> None:
     done = await stack.iris.submit(["true"], name="filter-done", target_cluster="cw-rno2a")
-    waiting = await stack.iris.submit(
-        ["true"], name="filter-wait", replicas=3, device_type="h100", gpu_count=8
-    )
+    waiting = await stack.iris.submit(["true"], name="filter-wait", **WAITS)
     await stack.iris.wait(done, timeout_s=60)
 
     async def both_indexed() -> bool:

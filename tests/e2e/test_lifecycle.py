@@ -16,7 +16,7 @@ import threading
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
-from stack import Stack, wait_until
+from stack import WAITS, Stack, wait_until
 from temporalio.api.enums.v1 import WorkflowTaskFailedCause
 
 from iris.client import JobNotFound
@@ -120,6 +120,41 @@ async def test_missing_artifact_parks_the_job_with_its_name(stack: Stack) -> Non
     assert await where(stack, job_id) == []
 
 
+async def test_a_parked_job_frees_its_reservation_for_the_next_job(stack: Stack) -> None:
+    """Issue 27: an 8-GPU job parked on cw-rno2a (its artifact missing) held the peer's reservation,
+    and the next 8-GPU job there waited until the parked one was cancelled. Now the park releases
+    it: the next job runs while the parked one still waits for its artifact; the parked one's
+    replay in place then finds the capacity taken and waits in the queue for it."""
+    key = f"nope/parked-{random.randrange(1 << 30)}.bin"
+    uri = f"s3://cw-rno2a-artifacts/{key}"
+    parked = await stack.iris.submit(
+        ["echo", "late"], name="parked-holds-nothing", target_cluster="cw-rno2a", artifacts=[uri], **H100
+    )
+    next_job = ""
+    try:
+        await wait_state(stack, parked, JobState.HANDOFF_FAILED)
+        reservations = await asyncio.to_thread(stack.store.reservations)
+        assert not [r for r in reservations if r.job_id == parked], reservations
+        next_job = await stack.iris.submit(
+            ["sleep", "30"], name="after-parked", target_cluster="cw-rno2a", **H100
+        )
+        await wait_state(stack, next_job, JobState.RUNNING)
+        assert (await stack.iris.describe(parked)).state is JobState.HANDOFF_FAILED
+        # The artifact arrives; the replay in place finds cw-rno2a taken, and waits in the queue.
+        await asyncio.to_thread(stack.put_artifact, "cw-rno2a-artifacts", key)
+        await stack.iris.replay_handoff(parked)
+        await wait_state(stack, parked, JobState.QUEUED_HANDOFF)
+        assert await where(stack, parked) == []
+        await stack.iris.cancel(next_job)
+        final = await stack.iris.wait(parked, timeout_s=90)
+        assert final.state is JobState.SUCCEEDED, final.reason
+        assert await where(stack, parked) == ["cw-rno2a"]
+    finally:
+        for job in (parked, next_job):
+            if job:
+                await stack.iris.cancel(job)
+
+
 async def test_home_reads_gcs_artifacts_and_refuses_s3_ones(stack: Stack) -> None:
     await asyncio.to_thread(put_gcs, stack, "marin-artifacts", "ckpt/step-100")
     ok = await stack.iris.submit(["true"], name="gcs-ok", artifacts=["gs://marin-artifacts/ckpt/step-100"])
@@ -192,15 +227,32 @@ async def test_a_job_only_unreachable_peers_can_run_waits_for_them_instead_of_be
 
 
 async def test_deadline_makes_a_job_unschedulable_and_it_is_never_promoted(stack: Stack) -> None:
-    # 3 × 8 H100 on one backend: no backend has 24, so it can only wait — until its deadline.
-    job_id = await stack.iris.submit(["true"], name="too-big", replicas=3, scheduling_timeout_s=2, **H100)
-    final = await stack.iris.wait(job_id, timeout_s=60)
+    # 16 H100 on one backend while one of cw-us-east-02a's is held: it can only wait, until its deadline.
+    async with stack.holding():
+        job_id = await stack.iris.submit(["true"], name="deadline-wait", scheduling_timeout_s=2, **WAITS)
+        final = await stack.iris.wait(job_id, timeout_s=60)
     assert final.state is JobState.UNSCHEDULABLE
     assert final.reason == "Scheduling timeout passed before any cluster had room"
     assert not any("promoted to" in e.message for e in final.events)
     assert await where(stack, job_id) == []
     handle = await asyncio.to_thread(stack.store.get, job_id)
     assert handle is not None and handle.state is HandleState.UNSCHEDULABLE
+
+
+async def test_a_job_no_backend_can_ever_hold_is_rejected_at_submit(stack: Stack) -> None:
+    """3 × 8 H100 on one backend, where the largest has 16: REJECTED at classification (issue 27;
+    docs/DESIGN.md, "Never fits"), never queued, never promoted, nothing reserved."""
+    from iris.policy.reasons import ReasonCode
+
+    job_id = await stack.iris.submit(["true"], name="never-fits", replicas=3, **H100)
+    final = await stack.iris.wait(job_id, timeout_s=60)
+    assert (final.state, final.reason_code) == (JobState.REJECTED, ReasonCode.TooLarge), final.reason
+    assert "needs 24 h100 on one backend" in final.reason
+    assert "cw-us-east-02a/h100-us-east-02a with 16" in final.reason
+    assert JobState.QUEUED_HANDOFF not in [e.state for e in final.events]
+    assert await where(stack, job_id) == []
+    handle = await asyncio.to_thread(stack.store.get, job_id)
+    assert handle is None, handle  # never enqueued
 
 
 async def test_two_jobs_competing_for_8_free_gpus_one_runs_the_other_waits(stack: Stack) -> None:
@@ -264,7 +316,12 @@ async def test_a_cancel_whose_workflow_task_the_server_failed_is_sent_again(
 ) -> None:
     """A signal landing while the task carrying the cancel Update completes the run makes the server
     fail that task (UNHANDLED_COMMAND) and drop the Update unaccepted; the client sends it again."""
-    job_id = await stack.iris.submit(["true"], name="cancel-unhandled", replicas=3, **H100)  # waits
+    async with stack.holding():
+        await _cancel_unhandled(stack, monkeypatch)
+
+
+async def _cancel_unhandled(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    job_id = await stack.iris.submit(["true"], name="cancel-unhandled", **WAITS)  # waits
     await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
     entered, release = threading.Event(), threading.Event()
     record_cancel = stack.store.record_cancel
@@ -310,15 +367,16 @@ async def test_cancelling_a_job_that_ran_reports_it_lost(stack: Stack) -> None:
 
 async def test_cancel_recorded_in_the_store_before_promotion_wins_the_cas(stack: Stack) -> None:
     """The CAS itself: the store already holds the cancel intent when the placement arrives."""
-    job_id = await stack.iris.submit(["true"], name="cas-guard", replicas=3, **H100)  # fits nowhere: waits
-    await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
-    result = await asyncio.to_thread(stack.store.record_cancel, job_id, "operator")
-    assert result.won
     from iris.policy.models import Placement
 
-    placement = Placement(job_id=job_id, peer_id="cw-us-east-02a", backend_id="h100-us-east-02a")
-    await stack.client.get_workflow_handle(job_id).signal(JobWorkflow.place, placement)
-    final = await stack.iris.wait(job_id, timeout_s=30)
+    async with stack.holding():
+        job_id = await stack.iris.submit(["true"], name="cas-guard", **WAITS)  # no room now: waits
+        await wait_state(stack, job_id, JobState.QUEUED_HANDOFF)
+        result = await asyncio.to_thread(stack.store.record_cancel, job_id, "operator")
+        assert result.won
+        placement = Placement(job_id=job_id, peer_id="cw-us-east-02a", backend_id="h100-us-east-02a")
+        await stack.client.get_workflow_handle(job_id).signal(JobWorkflow.place, placement)
+        final = await stack.iris.wait(job_id, timeout_s=30)
     assert final.state is JobState.KILLED
     assert final.reason == "Cancelled before handoff"
     assert any("refused" in e.message or "Cancelled" in e.message for e in final.events)

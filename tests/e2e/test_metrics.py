@@ -203,10 +203,23 @@ async def test_prometheus_scrapes_every_target_and_finds_each_iris_metric(
     }
 
     # ---- a queued job: iris_queued_jobs with its reason ------------------------------------------
-    # 3 × 8 H100 on one backend: no backend has 24, so it waits in the queue (until cancelled).
+    # 2 × 8 H100 on one backend, which only cw-us-east-02a's 16 hold, while a sleeper holds one of
+    # them: it waits in the queue (until cancelled). A job larger than every backend would be
+    # rejected at submit instead (docs/DESIGN.md, "Never fits").
+    code, _, err = await dev.iris(
+        "job", "run", "--no-wait", "--job-name", "hold", "--target-cluster", "cw-us-east-02a",
+        "--device-type", "h100", "--gpu-count", "1", "--", "sleep", "3600",
+    )  # fmt: skip
+    assert code == 0, err
+
+    async def holding() -> bool:
+        code, out, _ = await dev.iris("job", "describe", "hold", "--json")
+        return code == 0 and json.loads(out)["state"] == "RUNNING"
+
+    await eventually(holding, "the sleeper holding one H100 of cw-us-east-02a", timeout=90)
     code, _, err = await dev.iris(
         "job", "run", "--no-wait", "--job-name", "big", "--device-type", "h100", "--gpu-count", "8",
-        "--replicas", "3", "--", "true",
+        "--replicas", "2", "--", "true",
     )  # fmt: skip
     assert code == 0, err
     waiting_codes = {c.value for c in ReasonCode if c.waiting}
@@ -218,6 +231,14 @@ async def test_prometheus_scrapes_every_target_and_finds_each_iris_metric(
     code, out, err = await dev.iris("job", "describe", "big", "--json")
     assert code == 0, err
     assert json.loads(out)["reason_code"] == reason  # the code describe shows
+
+    # ---- the queued job cancelled: its label set goes to 0 --------------------------------------
+    code, _, err = await dev.iris("job", "cancel", "big")
+    assert code == 0, err
+    gone = f'{metrics.QUEUED_JOBS}{{band="interactive",device_variant="h100",reason="{reason}"}} == 0'
+    await eventually(lambda: prom.query(gone), "the cancelled job's queued series at 0")
+    code, _, err = await dev.iris("job", "cancel", "hold")
+    assert code == 0, err
 
     # ---- a spilled job: handoff, queue wait, mirror lag, controller launch -------------------------
     code, out, err = await dev.iris(
@@ -237,12 +258,6 @@ async def test_prometheus_scrapes_every_target_and_finds_each_iris_metric(
         "--gpu-count", "4", "--", "true",
     )  # fmt: skip
     assert code != 0 and "refused" in err, err
-
-    # ---- the queued job cancelled: its label set goes to 0 --------------------------------------
-    code, _, err = await dev.iris("job", "cancel", "big")
-    assert code == 0, err
-    gone = f'{metrics.QUEUED_JOBS}{{band="interactive",device_variant="h100",reason="{reason}"}} == 0'
-    await eventually(lambda: prom.query(gone), "the cancelled job's queued series at 0")
 
     # ---- PromQL finds each iris_* metric with the right labels --------------------------------------
     expected: dict[str, str] = {

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from stack import Stack, wait_until
+from stack import WAITS, Stack, wait_until
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import ActivityEnvironment
@@ -84,24 +84,33 @@ async def _terminal(stack: Stack, job_id: str) -> bool:
 
 
 async def test_no_capacity_anywhere(stack: Stack) -> None:
-    # 3 × 8 chips on one backend: no H100 backend of the federation is that large.
-    job_id = await stack.iris.submit(["true"], name="rc-no-capacity", replicas=3, **H100)
-    try:
-        st = await shows(stack, job_id, ReasonCode.NoCapacity)
-        assert st.state is JobState.QUEUED_HANDOFF and "full on" in st.reason
-    finally:
-        await cancel_all(stack, job_id)
+    # 2 × 8 chips on one backend: only cw-us-east-02a's 16 hold it, and one of them is held.
+    async with stack.holding():
+        job_id = await stack.iris.submit(["true"], name="rc-no-capacity", **WAITS)
+        try:
+            st = await shows(stack, job_id, ReasonCode.NoCapacity)
+            assert st.state is JobState.QUEUED_HANDOFF and "full on" in st.reason
+        finally:
+            await cancel_all(stack, job_id)
     st = await stack.iris.describe(job_id)
     assert (st.state, st.reason_code) == (JobState.KILLED, ReasonCode.Cancelled)
 
 
 async def test_pinned_peer_full(stack: Stack) -> None:
-    job_id = await stack.iris.submit(["true"], name="rc-pinned-full", target_cluster=RNO, replicas=2, **H100)
-    try:
-        st = await shows(stack, job_id, ReasonCode.PinnedPeerFull)
-        assert st.state is JobState.QUEUED_HANDOFF and f"full on {RNO}" in st.reason
-    finally:
-        await cancel_all(stack, job_id)
+    async with stack.holding(RNO):  # one of its 8 H100s
+        job_id = await stack.iris.submit(["true"], name="rc-pinned-full", target_cluster=RNO, **H100)
+        try:
+            st = await shows(stack, job_id, ReasonCode.PinnedPeerFull)
+            assert st.state is JobState.QUEUED_HANDOFF and f"full on {RNO}" in st.reason
+        finally:
+            await cancel_all(stack, job_id)
+
+
+async def test_too_large_for_every_backend(stack: Stack) -> None:
+    # 3 × 8 chips on one backend: no H100 backend of the federation is that large (issue 27).
+    job_id = await stack.iris.submit(["true"], name="rc-too-large", replicas=3, **H100)
+    st = await shows(stack, job_id, ReasonCode.TooLarge)
+    assert st.state is JobState.REJECTED and "no backend can ever hold it" in st.reason
 
 
 async def test_peer_unreachable(stack: Stack) -> None:
@@ -160,8 +169,9 @@ async def test_shape_mismatch(stack: Stack) -> None:
 
 
 async def test_deadline_passed(stack: Stack) -> None:
-    job_id = await stack.iris.submit(["true"], name="rc-deadline", replicas=3, scheduling_timeout_s=2, **H100)
-    st = await shows(stack, job_id, ReasonCode.DeadlinePassed)
+    async with stack.holding():
+        job_id = await stack.iris.submit(["true"], name="rc-deadline", scheduling_timeout_s=2, **WAITS)
+        st = await shows(stack, job_id, ReasonCode.DeadlinePassed)
     assert st.state is JobState.UNSCHEDULABLE
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from playwright.async_api import Error as PlaywrightError
 from playwright.async_api import Page
-from stack import Stack, wait_until
+from stack import WAITS, Stack, wait_until
 
 from iris.config import PROJECT_ROOT
 from iris.jobs import JobState
@@ -95,20 +95,20 @@ async def test_jobs_filtered_by_state_in_the_web_ui(stack: Stack, tmp_path: Path
             await page.get_by_text("User Metadata").first.click()
             await shows(page, "train-llama-ui · h100×8 · interactive")
             # A queued job shows its pending reason as the workflow's current details.
-            waiting = await stack.iris.submit(
-                ["true"], name="waiting-ui", device_type="h100", gpu_count=8, replicas=3
-            )
+            async with stack.holding():
+                waiting = await stack.iris.submit(["true"], name="waiting-ui", **WAITS)
 
-            async def explained() -> bool:
-                return "h100" in (await stack.iris.describe(waiting)).reason
+                async def explained() -> bool:
+                    return "h100" in (await stack.iris.describe(waiting)).reason
 
-            await wait_until(explained, timeout=60, what="the tick's explanation")
-            await page.goto(job_page(ui, waiting), wait_until="load")  # a running job's page keeps polling
-            await page.get_by_text("User Metadata").first.click()
-            await shows(page, "QUEUED_HANDOFF")
-            pending = tmp_path / "webui-pending-reason.png"
-            await page.screenshot(path=str(pending), full_page=True)
-            await stack.iris.cancel(waiting)
+                await wait_until(explained, timeout=60, what="the tick's explanation")
+                # A running job's page keeps polling: wait for its load only.
+                await page.goto(job_page(ui, waiting), wait_until="load")
+                await page.get_by_text("User Metadata").first.click()
+                await shows(page, "QUEUED_HANDOFF")
+                pending = tmp_path / "webui-pending-reason.png"
+                await page.screenshot(path=str(pending), full_page=True)
+                await stack.iris.cancel(waiting)
         finally:
             await browser.close()
     assert shot.stat().st_size > 10_000
