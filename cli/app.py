@@ -26,6 +26,7 @@ from cli.peers import peers_command, rpc_app
 from iris.defaults import DEFAULT_DATA_DIR
 
 app = typer.Typer(
+    rich_markup_mode=None,
     name="iris",
     help=(
         "Federated ML job scheduler on Temporal: submit once, run wherever capacity exists.\n\n"

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from iris.jobs import AttemptView, JobSpec, JobStatus
     from iris.policy.queue import DryRun, QueuePosition
 
-job_app = typer.Typer(help="Submit and inspect jobs.", no_args_is_help=True)
+job_app = typer.Typer(rich_markup_mode=None, help="Submit and inspect jobs.", no_args_is_help=True)
 
 
 def _clock(ms: int) -> str:

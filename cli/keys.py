@@ -11,6 +11,7 @@ import typer
 from cli import common
 
 keys_app = typer.Typer(
+    rich_markup_mode=None,
     help="Create the Ed25519 key pairs clusters sign handoffs with, and the payload key ring.",
     no_args_is_help=True,
 )

@@ -28,7 +28,7 @@ from iris.contract import JOB_WORKFLOW
 from iris.payloadcodec import load_keyring
 from iris.temporal import connect, data_converter
 
-determinism_app = typer.Typer(add_completion=False)
+determinism_app = typer.Typer(rich_markup_mode=None, add_completion=False)
 
 
 # ---- check-determinism -----------------------------------------------------------------------

@@ -36,6 +36,7 @@ class OpsGroup(TyperGroup):
 
 
 ops_app = typer.Typer(
+    rich_markup_mode=None,
     cls=OpsGroup,
     help="Operator tools: replay failed handoffs, check determinism.",
     no_args_is_help=True,

@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from iris.policy.models import PeerReport
     from iris.reports import FederationView
 
-rpc_app = typer.Typer(help="Raw RPC views, as JSON.", no_args_is_help=True)
-controller_app = typer.Typer(help="The federation manager's controller view.", no_args_is_help=True)
+rpc_app = typer.Typer(rich_markup_mode=None, help="Raw RPC views, as JSON.", no_args_is_help=True)
+controller_app = typer.Typer(
+    rich_markup_mode=None, help="The federation manager's controller view.", no_args_is_help=True
+)
 rpc_app.add_typer(controller_app, name="controller")
 
 
