@@ -1,7 +1,8 @@
 """Scheduling quality: a seeded synthetic trace replayed on the real stack, against an offline bound.
 
     uv run python -m benchmarks.trace [--minutes 10] [--seed 1] [--scale 60] [--load 0.9]
-                                      [--out FILE.json] [--source HEAD] [--offline]
+                                      [--backend process|slurm] [--out FILE.json] [--source HEAD]
+                                      [--offline]
 
 Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
 
@@ -23,7 +24,9 @@ Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
    divided by ``--scale`` and runs ``sleep (duration / scale)``. Arrivals fill the first three
    quarters of ``--minutes``; the last quarter at most lets the queue drain. The controllers' own
    records (``controller.db``, sampled every second) give each run's start and end; ``describe``
-   gives each job's attempts (a ``PREEMPTED`` end is a preemption).
+   gives each job's attempts (a ``PREEMPTED`` end is a preemption). With ``--backend slurm`` the
+   two peers' H100 backends run their jobs on a single-node Slurm started for the run (those of
+   ``config/clusters-slurm.toml``, iris/slurmdev.py; docs/DESIGN.md, "The Slurm backend").
 
 Queue wait is the time a job is not running before it runs for good: submit to its first start,
 plus, after each preempted run, that run's end to the next start. A job still waiting at the end is
@@ -82,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
         "--scale", type=_positive(float), default=60.0, help="trace seconds per replay second (compression)"
     )
     p.add_argument("--load", type=_positive(float), default=0.9, help="offered load, as a share of the H100s")
+    p.add_argument(
+        "--backend",
+        choices=("process", "slurm"),
+        default="process",
+        help="where the GPU peers run their jobs: processes, or a single-node Slurm started for the run",
+    )
     p.add_argument("--offline", action="store_true", help="print the trace and the bound only; start nothing")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
@@ -591,6 +600,36 @@ def gpu_peers(cfg: Any) -> list[tuple[str, int]]:
     return out
 
 
+async def start_slurm(root: Path) -> Any:
+    """The run's single-node Slurm, with the GPUs of config/clusters-slurm.toml's peers."""
+    from iris import slurmdev
+    from iris.config import PROJECT_ROOT, load_config
+
+    spec = slurmdev.spec_for(load_config(PROJECT_ROOT / "config" / "clusters-slurm.toml"))
+    assert spec is not None
+    slurm = slurmdev.SlurmCluster(spec, root / "slurm")
+    try:
+        await asyncio.to_thread(slurm.start)
+    except BaseException:
+        await asyncio.to_thread(slurm.stop)
+        raise
+    print(f"[{time.strftime('%X')}] Slurm up: {slurm.address}", flush=True)
+    return slurm
+
+
+def on_slurm(cfg: Any, slurm: Any) -> None:
+    """The GPU peers' backends of ``cfg`` (in place) as config/clusters-slurm.toml has them, on
+    ``slurm``."""
+    from iris import slurmdev
+    from iris.config import PROJECT_ROOT, load_config
+
+    on = load_config(PROJECT_ROOT / "config" / "clusters-slurm.toml")
+    for c in cfg.clusters:
+        theirs = {b.id: b for b in on.cluster(c.name).backends if b.kind == "slurm"}
+        c.backends = [theirs.get(b.id, b) for b in c.backends]
+    slurmdev.point_at(cfg, slurm)
+
+
 async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: float) -> dict[str, Any]:
     """Submit each job at its (compressed) arrival time on a fresh stack; return each job's outcome
     in replay seconds from the run's start, and the run's end."""
@@ -600,6 +639,7 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
 
     root = Path(tempfile.mkdtemp(prefix="iris-bench-trace-"))
     stack = BenchStack(root)
+    slurm: Any = None
 
     print(f"[{time.strftime('%X')}] stack in {root} ({uptime_line()})", flush=True)
     seen: dict[tuple[str, str], Seen] = {}
@@ -610,7 +650,11 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
     try:
         # Submissions are signed by their user (docs/DESIGN.md, "User → home"); the production band
         # needs the admin role.
-        await stack.start(lambda _cfg: None, task_queue=TASK_QUEUE, users={USER: ["user", "admin"]})
+        configure: Callable[[Any], None] = lambda _cfg: None  # noqa: E731
+        if args.backend == "slurm":
+            slurm = await start_slurm(root)
+            configure = lambda cfg: on_slurm(cfg, slurm)  # noqa: E731
+        await stack.start(configure, task_queue=TASK_QUEUE, users={USER: ["user", "admin"]})
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
         dbs = {c.name: controller_db(stack, c.name) for c in stack.config.clusters}
@@ -741,6 +785,8 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
         if sampler is not None:
             sampler.cancel()
         await stack.stop()
+        if slurm is not None:
+            await asyncio.to_thread(slurm.stop)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -41,6 +41,11 @@ time and count. One command::
 
 The same run is ``IRIS_CHAOS=1 uv run pytest tests/chaos -m chaos`` (skipped by default: it takes a
 few minutes, see docs/RELIABILITY.md).
+
+With ``--slurm``, cw-us-east-02a's H100 backend runs its jobs on a single-node Slurm of the run's own
+(iris/slurmdev.py; docs/DESIGN.md, "The Slurm backend"), its jobs as this run's user like the
+process peers' fallback: its restart then adopts its running jobs instead of losing them, and the
+SIGKILLed processes are those of Slurm batch jobs.
 """
 
 from __future__ import annotations
@@ -69,9 +74,9 @@ from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import RPCError
 
 from cli.ops import DeterminismReport, replay_histories
-from iris import devstack
+from iris import devstack, slurmdev
 from iris.client import AsyncIrisClient, IrisError, JobAlreadyExists
-from iris.config import FederationConfig, load_config
+from iris.config import BackendConfig, FederationConfig, load_config
 from iris.controller.client import ControllerClient
 from iris.controller.identity import KEY_DIR_ENV, TokenSigner
 from iris.controller.models import ControllerJobState
@@ -162,6 +167,8 @@ class Options:
     sigkill_after_partition_s: tuple[float, float] = (0.0, 4.0)
     sample_every_s: float = 2.0
     settle_s: float = 180.0  # after the faults, how long every job has to settle
+    # FLAKY's H100 backend on a single-node Slurm of the run's own (``--slurm``).
+    slurm: bool = False
 
 
 # ---- the stack ---------------------------------------------------------------------------------
@@ -178,6 +185,17 @@ def chaos_config(root: Path, options: Options) -> FederationConfig:
     cfg.gcs_port = devstack.free_port()
     cfg.store_url = f"sqlite:///{root / 'worker' / 'federation.db'}"
     cfg.peer_lost_after_s = options.peer_lost_after_s
+    if options.slurm:
+        # FLAKY's GPU backend as a Slurm one, on the run's Slurm (start_stack points it there).
+        flaky = cfg.cluster(FLAKY)
+        flaky.backends = [
+            BackendConfig.model_validate(
+                {**b.model_dump(), "kind": "slurm", "slurm_partition": slurmdev.DEFAULT_PARTITION}
+            )
+            if b.devices
+            else b
+            for b in flaky.backends
+        ]
     for c in cfg.clusters:
         c.port = devstack.free_port()
         # Jobs run in the job sandbox (the config's default): the ledger's directory is the one
@@ -208,6 +226,8 @@ class ChaosStack:
     worker: devstack.ManagedProcess | None = None
     worker_starts: int = 0
     client: Client | None = None
+    # FLAKY's Slurm (``Options.slurm``).
+    slurm: slurmdev.SlurmCluster | None = None
 
     @property
     def key_dir(self) -> Path:
@@ -268,6 +288,17 @@ def make_ledger(root: Path) -> Path:
 async def start_stack(root: Path, options: Options) -> ChaosStack:
     make_ledger(root)
     cfg = chaos_config(root, options)
+    slurm = None
+    if options.slurm:
+        spec = slurmdev.spec_for(cfg)
+        assert spec is not None
+        slurm = slurmdev.SlurmCluster(spec, root / "slurm")
+        try:
+            await asyncio.to_thread(slurm.start)
+        except BaseException:
+            await asyncio.to_thread(slurm.stop)
+            raise
+        slurmdev.point_at(cfg, slurm)
     config_file = root / "clusters.json"
     # The run's user signs its submissions and cancels (docs/DESIGN.md, "User → home").
     os.environ[USER_KEY_DIR_ENV] = str(root / "users")
@@ -291,7 +322,9 @@ async def start_stack(root: Path, options: Options) -> ChaosStack:
     }
     # The worker holds the home cluster's credentials only.
     worker_env = {**child_env, **devstack.store_credentials(cfg, cfg.home)}
-    stack = ChaosStack(root, cfg, config_file, worker_env, temporal, controllers, emulators, internal)
+    stack = ChaosStack(
+        root, cfg, config_file, worker_env, temporal, controllers, emulators, internal, slurm=slurm
+    )
     try:
         for svc in [temporal, *emulators, *controllers.values()]:
             # A controller keeps its own store's credentials (devstack.controller); no process gets
@@ -326,6 +359,8 @@ async def stop_stack(stack: ChaosStack) -> None:
     for proxy in stack.proxies.values():
         with contextlib.suppress(Exception):
             await proxy.stop()
+    if stack.slurm is not None:
+        await asyncio.to_thread(stack.slurm.stop)
 
 
 # ---- job processes (read from /proc) -----------------------------------------------------------
@@ -1385,8 +1420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=Options.jobs)
     parser.add_argument("--seed", type=int, default=Options.seed)
     parser.add_argument("--keep", type=Path, help="keep the stack's data (logs, databases) in this directory")
+    parser.add_argument("--slurm", action="store_true", help=f"run {FLAKY}'s H100 backend on a local Slurm")
     args = parser.parse_args(argv)
-    options = Options(jobs=args.jobs, seed=args.seed)
+    options = Options(jobs=args.jobs, seed=args.seed, slurm=args.slurm)
     root = args.keep or Path(tempfile.mkdtemp(prefix="iris-chaos-"))
     try:
         report = asyncio.run(run_chaos(options, root))

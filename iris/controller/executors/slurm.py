@@ -52,6 +52,7 @@ from iris.bundle import BundleError
 from iris.config import BackendConfig, ConfigError
 from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import Backend, BackendUnreachable, Demand, JobHost
+from iris.controller.executors.process import RUN_ID_ENV
 from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport
@@ -942,6 +943,7 @@ class SlurmBackend(Backend):
                 "IRIS_BACKEND_ID": job.backend_id,
                 "IRIS_REPLICA_INDEX": "0",
                 "IRIS_NUM_REPLICAS": str(len(job.tasks)),
+                RUN_ID_ENV: job.run_id,
             }
         )
         return env
