@@ -19,13 +19,22 @@ OUT = Path(__file__).resolve().parents[1] / "tests" / "durations.json"
 MIN_S = 1.0
 
 
+def without_group(name: str) -> str:
+    """A test's name without the group the parallel run adds (tests/conftest.py, ``in_group``):
+    ``test_x@group`` and, with parameters, ``test_x[p]@group]`` (a parameter may hold ``@``)."""
+    if name.endswith("]") and "]@" in name:
+        return name[: name.rfind("]@") + 1]
+    if "[" not in name and "@" in name:
+        return name[: name.rfind("@")]
+    return name
+
+
 def durations(junit: Path) -> dict[str, float]:
     found: dict[str, float] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "").replace(".", "/")
         name = case.get("name", "")
-        if name.rfind("@") > name.rfind("]"):  # the parallel run's group suffix (a param may hold @)
-            name = name[: name.rfind("@")]
+        name = without_group(name)
         if not module or not name:
             continue
         # classname is the dotted module path, plus the class for a test in a class.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
@@ -201,11 +202,23 @@ class FaultProxy:
             lifespan="off",
             http=_tracked_protocol(self),
         )
+        # The socket is bound here, so a port another process took meanwhile is an OSError the stack's
+        # start retries on fresh ports (uvicorn would say it with sys.exit, which ends the fixture).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            raise
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
-                self._task.result()
+                try:
+                    self._task.result()
+                except SystemExit as exc:  # uvicorn's failed start
+                    raise OSError(f"the fault proxy could not start on port {port}") from exc
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
