@@ -40,10 +40,10 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
 
 
-def _apt_install(package: str) -> Callable[[], None]:
+def _apt_install(*packages: str) -> Callable[[], None]:
     def install() -> None:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
             subprocess.run(argv, check=True, env=env, capture_output=True, timeout=900)
 
     return install
@@ -70,6 +70,20 @@ def check_bwrap() -> Check:
         why = (works.stderr.strip().splitlines() or ["no output"])[0]
         return Check("bubblewrap", False, f"{found} cannot make a sandbox here: {why}", None)
     return Check("bubblewrap", True, found)
+
+
+def check_slurm() -> Check:
+    """Debian's Slurm and munge: the Slurm backend's tests start a single-node Slurm of their own
+    (iris/slurmdev.py)."""
+    from iris import slurmdev
+
+    missing = slurmdev.missing_packages()
+    if missing:
+        detail = f"missing {', '.join(missing)} (the Slurm backend's tests)"
+        return Check("slurm", False, detail, slurmdev.INSTALL_HINT, _apt_install(*missing))
+    if os.geteuid() != 0:
+        return Check("slurm", False, "installed; its daemons run as root (the Slurm tests skip)", None)
+    return Check("slurm", True, str(slurmdev.command("slurmctld")))
 
 
 def check_chromium() -> Check:
@@ -152,6 +166,7 @@ CHECKS: list[Callable[[], Check]] = [
     check_root,
     check_bwrap,
     check_chromium,
+    check_slurm,
     check_prometheus,
     check_postgres,
 ]
@@ -162,12 +177,12 @@ def doctor_command(
         bool,
         typer.Option(
             "--install",
-            help="Install or start what is missing: Debian's bubblewrap, chromium and postgresql "
+            help="Install or start what is missing: Debian's bubblewrap, chromium, Slurm and postgresql "
             "(apt-get), Prometheus (scripts/install-prometheus.sh), the PostgreSQL test database.",
         ),
     ] = False,
 ) -> None:
-    """Check what the full test suite needs here (uv, root, bubblewrap, chromium, Prometheus,
+    """Check what the full test suite needs here (uv, root, bubblewrap, chromium, Slurm, Prometheus,
     PostgreSQL), one line each; exit 1 if anything is missing. With --install, fix what it can."""
     missing = 0
     for make in CHECKS:
