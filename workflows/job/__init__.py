@@ -93,6 +93,26 @@ with workflow.unsafe.imports_passed_through():
     from iris.store.models import HandleState, JobHandle, PromoteOutcome
     from iris.userauth import Action, Principal, request_digest
 
+from workflows.job import versions
+from workflows.job.versions import (
+    ATTEMPTS_PATCH,
+    AUTH_PATCH,
+    BUNDLE_PATCH,
+    CONTINUE_PATCH,
+    EARLIER_ATTEMPT_PATCH,
+    FEED_PATCH,
+    HOME_LEDGER_PATCH,
+    LOCAL_STEPS_PATCH,
+    PARK_PATCH,
+    PREEMPT_PATCH,
+    REASON_PATCH,
+    SIGNALS_PATCH,
+    SIZE_PATCH,
+    SUBMISSION_PATCH,
+    TERMINAL_LAUNCH_PATCH,
+    TIMERS_PATCH,
+)
+
 _QUICK = timedelta(seconds=30)
 _STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _REPORTS_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=5)
@@ -125,92 +145,6 @@ _STAGE_TIMEOUT = timedelta(minutes=5)
 # Asking a cluster whether it has an attempt: an answer, or "unknown" after a few tries.
 _FIND_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 CANCELLED_WHILE_PARKED = "Cancelled while parked after a failed handoff"
-# Runs started with this patch do the federation-store writes (all but the promotion CAS) as
-# local activities, and upsert a search attribute only when its value changes (issue 9). Runs
-# recorded before it replay on the old path.
-LOCAL_STEPS_PATCH = "local-store-steps-v1"
-# Runs that reach a handoff with this patch stage the job's workspace bundle on the destination
-# first (BUILDING). A run that an older worker began without staging replays without it.
-BUNDLE_PATCH = "workspace-bundle-v1"
-# Runs with this patch relay the output of a job whose (repeated) launch found it already ended.
-TERMINAL_LAUNCH_PATCH = "relay-after-terminal-launch-v1"
-# Runs with this patch follow each attempt with follow_job (a silent cluster loses the attempt after
-# peer_lost_after) and retry a failed or lost attempt within the job's budgets; after a launch whose
-# answer never came they ask the cluster whether it has the attempt before parking (issue 15).
-ATTEMPTS_PATCH = "attempts-v1"
-# Runs with this patch reserve home capacity for a LOCAL job through the queue's CAS and ledger
-# (issue 15); a run begun before it goes home without a reservation.
-HOME_LEDGER_PATCH = "home-ledger-v1"
-# Runs with this patch continue as new past _CONTINUE_AFTER_EVENTS history events, at a quiet point
-# of a long wait (queued, following an attempt, parked), carrying a _Carry (docs/DESIGN.md,
-# "Bounded histories").
-CONTINUE_PATCH = "continue-as-new-v1"
-# Runs with this patch, before a later attempt on a cluster that lost an earlier one, ask that
-# cluster how the earlier attempt ended: one that succeeded while the cluster was silent is the
-# job's result (no second run), one still running there is terminated first (as before).
-EARLIER_ATTEMPT_PATCH = "earlier-attempt-v1"
-# Runs with this patch verify the submitter's signed statement before classifying (a job that does
-# not verify ends REJECTED), verify each cancel and replay (one that does not is recorded and
-# ignored), and hand off under the verified principal (docs/DESIGN.md, "User → home").
-AUTH_PATCH = "authenticated-submitters-v1"
-# Until it answers: the answer is the verdict (a refusal is final, never retried), and an outage of
-# the check must not refuse a valid job.
-# Runs with this patch, while their cluster's watcher signals its changes (the view's
-# mirror_safety_poll_s > 0), follow a running attempt by those signals, asking the cluster
-# themselves only every mirror_safety_poll_s (the safety poll), after a notice that it is silent,
-# and while a reader wants the log relayed (docs/DESIGN.md, "Mirroring"). No activity is held per
-# running job.
-FEED_PATCH = "change-feed-v1"
-# Runs with this patch upsert the IrisReason search attribute (the stable code of the job's reason,
-# docs/DESIGN.md, "Reason codes") whenever the code changes. Asked at the top of every run, before
-# the run's first reason is set, so that every reason of the run is upserted or not alike.
-REASON_PATCH = "reason-code-v1"
-# Runs with this patch tell an attempt its cluster preempted for a higher band (PREEMPTED,
-# docs/DESIGN.md, "Preemption") from one it lost: the job is queued again with the code Preempted
-# and the cluster's "preempted by <job id> at <time>" in its reason, its attempt records that, ends
-# Preempted when no retry is left, and a later attempt on that cluster does not ask after it. A run
-# that predates the patch treats it as a lost attempt (PeerLost). Asked in the first task of every
-# run, as FEED_PATCH.
-PREEMPT_PATCH = "preemption-v1"
-# Runs with this patch take the handoff's retry schedule (the launch and the bundle staging) and a
-# parked job's probes from the view they were classified with (its handoff_retry_initial_s,
-# handoff_retry_max_s, parked_probe_first_s and parked_probe_max_s, from the federation config:
-# docs/DESIGN.md, "Errors, retries and parking"); a run that predates it keeps _HANDOFF_RETRY and
-# _PROBE_FIRST/_PROBE_MAX (the views' defaults are the same values). Asked in the first task of
-# every run, as FEED_PATCH.
-TIMERS_PATCH = "handoff-timers-v1"
-# Runs with this patch take no internal signal on trust (docs/SECURITY.md, "Internal signals";
-# docs/DESIGN.md, "Messages taken on trust"): a placement is re-checked against the job's pin and
-# constraints and promoted with the job's own reservation (iris/policy/vetting.py, on the view the
-# job was classified with, read again when it cannot vouch); an observation applies only to the
-# attempt whose nonce it carries, a terminal one only once its cluster confirms it, and a silence
-# notice's start is measured, not taken from the notice; an expiry ends only a queued job whose
-# own deadline has passed. A message refused is recorded as an event and ignored. Asked in the
-# first task of every run, as FEED_PATCH.
-SIGNALS_PATCH = "checked-internal-signals-v1"
-# Runs with this patch admit a new job only if its start holds one input, a JobSpec the SDK would
-# submit (JobSpec.check), started under its own job id, and, once its statement verifies, whose
-# job id is under its signer's prefix (iris.jobs.user_prefix); anything else ends REJECTED
-# (InvalidSubmission, SubmissionRefused) in its first task, having started nothing. A start that
-# carries a Carry without continuing a run is one of them. A launch request its cluster would
-# refuse parks the job instead of failing its task. Asked at the top of every run.
-SUBMISSION_PATCH = "checked-submissions-v1"
-# Runs with this patch reject at classification a job that no backend of its shape can ever hold:
-# its whole gate on one backend is more than every matching backend's reported total, none of them
-# unknown (iris/policy/sizing.py; docs/DESIGN.md, "Classification": "Never fits"). It ends REJECTED
-# with the code TooLarge, naming the largest matching backend; a run begun before it queues such a
-# job for ever. Asked in a new run's first task, with ATTEMPTS_PATCH.
-SIZE_PATCH = "oversized-rejected-v1"
-# Runs with this patch free a parked job's capacity at once when the job is known not to run on its
-# cluster: the park came before any launch of the attempt went unanswered (``maybe_on`` unset), or
-# the cluster since confirmed it never received the job. The handle's reservation is deleted with
-# the park (set_handle_state release); a replay in place takes it again through the CAS (promote_job
-# retake: the same cluster and backend, the ledger checked as for any promotion) and, refused because
-# another job took the capacity meanwhile, goes back to the queue. A launch whose outcome is unknown
-# keeps the reservation until its cluster answers (docs/DESIGN.md, "Errors, retries and parking").
-# A run that predates it keeps the reservation while parked, as before. Asked in the first task of
-# every run, as FEED_PATCH.
-PARK_PATCH = "parked-frees-capacity-v1"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
 # The job's own event list (the status query's) keeps its first and latest events across runs.
@@ -663,7 +597,7 @@ class JobWorkflow:
 
     def _authenticating(self) -> bool:
         """Whether this run verifies signed requests (AUTH_PATCH; memoized by the SDK)."""
-        return workflow.patched(AUTH_PATCH)
+        return versions.authenticates()
 
     async def _refused(self, action: Action, statement: str, request: BaseModel) -> str | None:
         """Why a signed request is refused (recorded as an event), or None if it verifies or this
@@ -855,43 +789,46 @@ class JobWorkflow:
             # The task (or a replay) fails with that, as the codec itself used to fail it; only a
             # new start that no key here opens is refused (``_admit``).
             raise RuntimeError(self._refused_input)
-        # First of all: whether this run's input is checked decides which job it is.
-        checked = workflow.patched(SUBMISSION_PATCH)
-        if not checked and self._refused_input is not None:
-            raise ValueError(self._refused_input)  # before the patch: the task failed (for ever)
-        if checked and self._forged_carry:
-            # A raw start with a Carry: a new job, refused in its first task (``_admit``).
-            self._job, carry = self._fresh, None
-        job = self._job
-        job.checked = checked
-        # First, so that every reason this run sets is upserted alike (see REASON_PATCH). The
-        # visibility store holds what the client set at start, or what the run that continued
-        # as new last upserted.
-        job.reasons = workflow.patched(REASON_PATCH)
-        if job.reasons:
-            job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
-        if carry is None:
-            job.local_steps = workflow.patched(LOCAL_STEPS_PATCH)
-            if job.local_steps:
+
+        def first_run(checked: bool) -> bool:
+            nonlocal carry
+            if not checked and self._refused_input is not None:
+                raise ValueError(self._refused_input)  # before the patch: the task failed (for ever)
+            if checked and self._forged_carry:
+                # A raw start with a Carry: a new job, refused in its first task (``_admit``).
+                self._job, carry = self._fresh, None
+            return carry is None
+
+        def classifying(reasons: bool, local_steps: bool) -> None:
+            job = self._job
+            job.reasons, job.local_steps = reasons, local_steps
+            if reasons:
+                job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
+            if local_steps:
                 job.sa_state = JobState.CLASSIFYING.value  # set by the client at start
             self._event(JobState.CLASSIFYING, job.status.reason)
             self._set(JobState.CLASSIFYING, job.status.reason)
-            job.can_continue = workflow.patched(CONTINUE_PATCH)
-            # Asked here, before any local activity, not where attempts first matter: a patch
-            # marker recorded in the workflow task that also completes a slow local activity (the
-            # SDK then heartbeats that task) may land ahead of the activity's own marker, and a
-            # replay that first asks after the activity finds it out of place (nondeterminism).
-            job.numbered = workflow.patched(ATTEMPTS_PATCH)
-            job.sizing = workflow.patched(SIZE_PATCH)
-        # In the first task of every run, as the patches above (memoized for the handlers).
-        authenticating = self._authenticating()
-        # Likewise in the first task, not where a running attempt is first followed: asked there,
-        # its marker could land in a task that also completes a slow local activity (see above).
-        job.feed = workflow.patched(FEED_PATCH)
-        job.preemption = workflow.patched(PREEMPT_PATCH)
-        job.timers = workflow.patched(TIMERS_PATCH)
-        job.wary = workflow.patched(SIGNALS_PATCH)
-        job.frees = workflow.patched(PARK_PATCH)
+
+        # First of all: whether this run's input is checked decides which job it is.
+        features = versions.read(
+            first_run=first_run, classifying=classifying, carried_local_steps=self._job.local_steps
+        )
+        job = self._job
+        if carry is not None and features.reasons:
+            # The visibility store holds what the run that continued as new last upserted.
+            job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
+        job.checked = features.checked
+        job.reasons = features.reasons
+        job.local_steps = features.local_steps
+        job.can_continue = features.can_continue
+        job.numbered = features.numbered
+        job.sizing = features.sizing
+        authenticating = features.authenticating
+        job.feed = features.feed
+        job.preemption = features.preemption
+        job.timers = features.timers
+        job.wary = features.wary
+        job.frees = features.frees
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -922,7 +859,7 @@ class JobWorkflow:
         if self._job.cancel is not None:
             await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if decision.disposition is Disposition.LOCAL:
-            if decision.placement is not None and workflow.patched(HOME_LEDGER_PATCH):
+            if decision.placement is not None and versions.home_ledger():
                 placement = await self._reserve_home(decision.placement)
                 backend = placement.backend_id or self._backend_for(view, placement.peer_id)
                 await self._deliver(view, placement.peer_id, backend)
@@ -1387,7 +1324,7 @@ class JobWorkflow:
             await self._cancel_before_handoff()
         if job.spec.artifacts:
             await self._check_artifacts(cluster)
-        bundle = job.spec.bundle if job.spec.bundle is not None and workflow.patched(BUNDLE_PATCH) else None
+        bundle = job.spec.bundle if job.spec.bundle is not None and versions.stages_bundle() else None
         if bundle is not None:
             await self._stage_bundle(cluster, bundle)
         launched = await self._launch(view, cluster, backend, bundle)
@@ -1398,7 +1335,7 @@ class JobWorkflow:
         if job.queued:
             # The cluster's own clock at acceptance: its capacity reports count the job from then.
             await self._handle_state(HandleState.HANDED_OFF, counted_from_ms=launched.created_ms)
-        if launched.terminal and workflow.patched(TERMINAL_LAUNCH_PATCH):
+        if launched.terminal and versions.relays_terminal_launch():
             # A launch repeated after a lost reply can find the job already ended: its output
             # still has to be relayed home, which the mirror does before it reports an end.
             launched = await self._relay_end(cluster, launched)
@@ -1534,7 +1471,7 @@ class JobWorkflow:
                 continue
             if earlier.preempted is not None:
                 continue  # the cluster preempted it: ended there for good, nothing to ask
-            if not (job.numbered and workflow.patched(EARLIER_ATTEMPT_PATCH)):
+            if not (job.numbered and versions.asks_earlier_attempt()):
                 await self._terminate(cluster, earlier.nonce)
                 continue
             found = await self._find_attempt(cluster, earlier.nonce)
@@ -2225,4 +2162,23 @@ class JobWorkflow:
         await self._follow(cluster, remote)
 
 
-__all__ = ("JobWorkflow",)
+__all__ = (
+    "ATTEMPTS_PATCH",
+    "AUTH_PATCH",
+    "BUNDLE_PATCH",
+    "CANCELLED_WHILE_PARKED",
+    "CONTINUE_PATCH",
+    "EARLIER_ATTEMPT_PATCH",
+    "FEED_PATCH",
+    "HOME_LEDGER_PATCH",
+    "LOCAL_STEPS_PATCH",
+    "PARK_PATCH",
+    "PREEMPT_PATCH",
+    "REASON_PATCH",
+    "SIGNALS_PATCH",
+    "SIZE_PATCH",
+    "SUBMISSION_PATCH",
+    "TERMINAL_LAUNCH_PATCH",
+    "TIMERS_PATCH",
+    "JobWorkflow",
+)
