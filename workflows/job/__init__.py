@@ -4,7 +4,8 @@ classify → run at home now | queue → placement signal → promotion CAS → 
 staging → handoff → mirror → terminal, with cancellation honoured at every step. No I/O here:
 activities do it and the policy decides.
 
-What the workflow knows lives in one dataclass (``_Job``). The lifecycle reads top to bottom; a
+What the workflow knows lives in one JobRun (workflows/job/state.py), handed whole to the next run
+when it continues as new. The lifecycle reads top to bottom; a
 step that ends the job raises ``_Ended`` (``run`` returns the final status), one that cannot hand
 off raises ``_Parked`` (the job waits in HANDOFF_FAILED for an operator or a cancel).
 """
@@ -17,7 +18,6 @@ import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
-from enum import StrEnum
 from typing import Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -60,14 +60,12 @@ with workflow.unsafe.imports_passed_through():
         CancelOutcome,
         CancelRequest,
         JobEvent,
-        JobSpec,
         JobState,
         JobStatus,
         ReplayRequest,
         TaskView,
         WaitReason,
         attempt_end,
-        attempt_nonce,
         end_code,
         handle_end,
         log_key,
@@ -75,7 +73,6 @@ with workflow.unsafe.imports_passed_through():
         state_code,
         user_prefix,
     )
-    from iris.payloadconverter import reason as unreadable_reason
     from iris.payloadconverter import still_encrypted
     from iris.policy import (
         CANCELLED_BEFORE_HANDOFF,
@@ -90,10 +87,11 @@ with workflow.unsafe.imports_passed_through():
     from iris.policy.models import Band, Classification, Disposition, Placement
     from iris.policy.reasons import ReasonCode
     from iris.reports import FederationView
-    from iris.store.models import HandleState, JobHandle, PromoteOutcome
+    from iris.store.models import HandleState, PromoteOutcome
     from iris.userauth import Action, Principal, request_digest
 
 from workflows.job import versions
+from workflows.job.state import Ctx, JobRun, Phase, handover, new_run, read_inputs
 from workflows.job.versions import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
@@ -111,6 +109,7 @@ from workflows.job.versions import (
     SUBMISSION_PATCH,
     TERMINAL_LAUNCH_PATCH,
     TIMERS_PATCH,
+    Features,
 )
 
 _QUICK = timedelta(seconds=30)
@@ -147,9 +146,6 @@ _FIND_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempt
 CANCELLED_WHILE_PARKED = "Cancelled while parked after a failed handoff"
 _AUTH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 _CONTINUE_AFTER_EVENTS = 2_000
-# The job's own event list (the status query's) keeps its first and latest events across runs.
-_EVENTS_HEAD = 20
-_EVENTS_TAIL = 200
 # follow_job answers at the latest after this without a change: a running job's history grows by
 # one activity every half hour (and continues as new, see above).
 _FOLLOW_MAX_WAIT = timedelta(minutes=30)
@@ -179,32 +175,6 @@ def _refusal(exc: ActivityError) -> bool:
     )
 
 
-def _read_inputs(inputs: tuple[Any, ...]) -> tuple[JobSpec | None, Carry | None, str | None]:
-    """The run's spec and carry from its untyped inputs, or why they are not a job's (a start
-    holds one input, the signed spec; a continued run also its Carry)."""
-    if not 1 <= len(inputs) <= 2:
-        return None, None, f"a job's start holds one input, its signed spec, not {len(inputs)}"
-    values: list[BaseModel | None] = []
-    models: tuple[type[BaseModel], ...] = (JobSpec, Carry)
-    for model, value in zip(models, inputs, strict=False):
-        if isinstance(value, RawValue):
-            return None, None, f"its input cannot be read ({unreadable_reason(value.payload)})"
-        if value is None and model is Carry:
-            values.append(None)
-            continue
-        try:
-            values.append(model.model_validate(value))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "the input"
-            what = "spec" if model is JobSpec else "carry"
-            return None, None, f"its input is not a job {what}: {where[:80]}: {first['msg'][:120]}"
-    spec = values[0]
-    carry = values[1] if len(values) > 1 else None
-    assert isinstance(spec, JobSpec) and (carry is None or isinstance(carry, Carry))
-    return spec, carry, None
-
-
 class _Ended(Exception):
     """The job has reached its final state (already recorded): ``run`` returns it."""
 
@@ -231,58 +201,6 @@ class _Adopted(Exception):
         self.remote = remote
 
 
-class Phase(StrEnum):
-    """Where a run that continued as new left the job (docs/DESIGN.md, "Bounded histories")."""
-
-    # Waiting in the federation queue for a placement (first attempt or a later one).
-    QUEUED = "queued"
-    # An attempt runs on ``cluster``: it is followed there.
-    FOLLOWING = "following"
-    # Parked in HANDOFF_FAILED, waiting for an operator's replay or a cancel.
-    PARKED = "parked"
-
-
-class Carry(BaseModel):
-    """What a run hands to the next when it continues as new: the status users see (events
-    trimmed), the attempts, the budgets used, and where to pick the job up."""
-
-    phase: Phase
-    status: JobStatus
-    view: FederationView
-    cluster: str = ""
-    backend: str = ""
-    remote: ControllerJobStatus | None = None
-    pin: str | None = None
-    clusters: tuple[str, ...] = ()
-    queued: bool = False
-    local_steps: bool = True
-    sa_state: str | None = None
-    memo_reason: str | None = None
-    explanation: str | None = None
-    # The code of ``explanation`` (REASON_PATCH's tick sends it), and when the job entered the
-    # queue (for iris_queue_wait_seconds); None in a carry that predates them.
-    explanation_code: ReasonCode | None = None
-    queued_since_ms: int | None = None
-    attempt: int = 1
-    failures_retried: int = 0
-    preemptions_retried: int = 0
-    maybe_on: tuple[str, str] | None = None
-    lost_after_s: float = 600.0
-    # How many runs came before this one.
-    runs: int = 1
-    # The submitter as verified (AUTH_PATCH), None for a run that predates it.
-    principal: str | None = None
-    # A watcher's observation not yet acted on, and how long a reader wants the log relayed
-    # (FEED_PATCH).
-    observed: Observation | None = None
-    seen_version: tuple[str, int] | None = None
-    logs_until_ms: int = 0
-    # The job's last won promotion, and whether its park released that reservation (PARK_PATCH);
-    # None and False in a carry that predates it.
-    promoted: Placement | None = None
-    released: bool = False
-
-
 @dataclasses.dataclass(frozen=True)
 class _Retry:
     """An attempt ended in a way the job may retry (a failure, or its cluster lost it)."""
@@ -293,169 +211,31 @@ class _Retry:
     preempted: str | None = None
 
 
-@dataclasses.dataclass
-class _Job:
-    """Everything one job's workflow knows: its spec, the status users see, and what the messages
-    (placement, cancel, expiry, replay, the tick's reason) have left for the lifecycle."""
-
-    spec: JobSpec
-    status: JobStatus
-    placement: Placement | None = None
-    cancel: CancelRequest | None = None
-    expire: bool = False
-    replay: ReplayRequest | None = None
-    # The tick's latest pending reason (it may arrive before the enqueue's answer), and its code.
-    explanation: str | None = None
-    explanation_code: ReasonCode | None = None
-    # When the job last entered the federation queue (workflow time, ms): a won promotion records
-    # the wait since (iris_queue_wait_seconds).
-    queued_since_ms: int | None = None
-    # The job's handle is in the federation queue (store): its transitions must be recorded.
-    queued: bool = False
-    # Set in the workflow task that schedules the launch: from then on the job may be on a
-    # cluster, and a cancel has to go through that cluster.
-    delivered: bool = False
-    # The resolved pin (the cluster's exact id), and every cluster the classification saw.
-    pin: str | None = None
-    clusters: list[str] = dataclasses.field(default_factory=list)
-    # Whether this run takes LOCAL_STEPS_PATCH's path.
-    local_steps: bool = False
-    # What the visibility store and the memo hold, so an unchanged value is not written again.
-    sa_state: str | None = None
-    sa_reason: str | None = None
-    memo_reason: str | None = None
-    # Whether this run upserts IrisReason (REASON_PATCH).
-    reasons: bool = False
-    # Shielded writes a Temporal cancel must let land before it is recorded against them.
-    enqueue_op: workflow.ActivityHandle[JobHandle] | None = None
-    launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
-    # The current attempt (docs/DESIGN.md, "Attempts"), and the retries used of each budget.
-    attempt: int = 1
-    failures_retried: int = 0
-    preemptions_retried: int = 0
-    # A launch whose answer never came: (cluster, nonce) of an attempt that cluster may be running.
-    maybe_on: tuple[str, str] | None = None
-    # How long a cluster running an attempt may stay silent before the attempt is lost.
-    lost_after_s: float = 600.0
-    # Whether this run takes CONTINUE_PATCH's path, and how many runs came before it.
-    can_continue: bool = False
-    runs: int = 1
-    # Whether this run numbers attempts (ATTEMPTS_PATCH).
-    numbered: bool = False
-    # The capacity view the job was classified with (a later attempt picks a backend with it).
-    view: FederationView | None = None
-    # The submitter as its signed statement proved (AUTH_PATCH): the handoff's user.
-    principal: str | None = None
-    # Cancels whose signature is being checked: a handoff waits for their verdict, so a cancel
-    # that arrived before it is honoured as if recorded at once.
-    verifying: int = 0
-    # From the cluster's watcher (FEED_PATCH): its latest observation of the attempt not yet acted
-    # on, and the feed version of the newest status it sent (an older one arriving late is dropped).
-    observed: Observation | None = None
-    seen_version: tuple[str, int] | None = None
-    # A reader of the log wants it relayed every second until then (ms since the epoch).
-    logs_until_ms: int = 0
-    # Whether this run follows attempts by its cluster's watcher (FEED_PATCH).
-    feed: bool = False
-    # Whether this run tells a preempted attempt from a lost one (PREEMPT_PATCH).
-    preemption: bool = False
-    # Whether this run takes its handoff retries and parked probes from ``view`` (TIMERS_PATCH).
-    timers: bool = False
-    # Whether this run re-checks the tick's and the watchers' signals (SIGNALS_PATCH), and its
-    # start input (SUBMISSION_PATCH).
-    wary: bool = False
-    checked: bool = False
-    # ``placement`` is an operator's verified replay, not a signal: it is promoted as it is.
-    vouched: bool = False
-    # Whether this run rejects a job that can never fit (SIZE_PATCH) and frees a parked job's
-    # capacity (PARK_PATCH); the job's last won promotion, and whether its park released it.
-    sizing: bool = False
-    frees: bool = False
-    promoted: Placement | None = None
-    released: bool = False
-
-    @property
-    def incarnation(self) -> str:
-        # Minted once per job incarnation; stable across retries and workflow resets.
-        return f"{self.spec.job_id}@{self.spec.submit_ms}"
-
-    @property
-    def nonce(self) -> str:
-        return attempt_nonce(self.incarnation, self.attempt)
-
-    @property
-    def waiting_in_queue(self) -> bool:
-        # The tick may answer before this workflow has processed its own enqueue (a signal is
-        # delivered ahead of the activity result in the same task), so CLASSIFYING counts too.
-        return self.status.state in (JobState.CLASSIFYING, JobState.QUEUED_HANDOFF)
-
-
 @workflow.defn(name=contract.JOB_WORKFLOW)
 class JobWorkflow:
     @workflow.init
     def __init__(self, *inputs: Any) -> None:
-        # A start carries one payload (the spec), a continued run two (the spec and its Carry).
+        # A start carries one payload (the spec), a continued run two (the spec and its JobRun).
         # Both are taken untyped (the SDK decodes a start untyped anyway: one payload for two
         # parameters) and validated here; an input that is not a spec, or that cannot be read
         # (iris/payloadconverter.py), is refused in run()'s first task (SUBMISSION_PATCH), never
         # a task failed for ever.
-        spec, carry, self._refused_input = _read_inputs(inputs)
+        spec, carried, self._refused_input = read_inputs(inputs)
         self._sealed_input = any(isinstance(v, RawValue) and still_encrypted(v.payload) for v in inputs)
-        # A Carry comes only from the run this one continues; a raw start with one is refused.
-        self._forged_carry = carry is not None and workflow.info().continued_run_id is None
+        # A JobRun comes only from the run this one continues; a raw start with one is refused.
+        self._forged_carry = carried is not None and workflow.info().continued_run_id is None
         # Built here, not in run(): a query, signal or Update can arrive in the very first task,
         # before run() starts (e.g. a cancel right after submit).
-        self._job = self._fresh = self._new_job(spec)
-        self._carry = carry
-        if carry is not None:
-            assert spec is not None
-            self._job = _Job(
-                spec=spec,
-                status=carry.status,
-                explanation=carry.explanation,
-                explanation_code=carry.explanation_code,
-                queued_since_ms=carry.queued_since_ms,
-                queued=carry.queued,
-                delivered=carry.phase is not Phase.QUEUED or carry.status.handoff_attempts > 0,
-                pin=carry.pin,
-                clusters=list(carry.clusters),
-                local_steps=carry.local_steps,
-                sa_state=carry.sa_state,
-                memo_reason=carry.memo_reason,
-                attempt=carry.attempt,
-                failures_retried=carry.failures_retried,
-                preemptions_retried=carry.preemptions_retried,
-                maybe_on=carry.maybe_on,
-                lost_after_s=carry.lost_after_s,
-                can_continue=True,
-                numbered=True,
-                runs=carry.runs + 1,
-                view=carry.view,
-                principal=carry.principal,
-                observed=carry.observed,
-                seen_version=carry.seen_version,
-                logs_until_ms=carry.logs_until_ms,
-                promoted=carry.promoted,
-                released=carry.released,
-            )
+        self._fresh = new_run(spec, workflow.info().workflow_id)
+        self._carried = carried
+        self._ctx = Ctx(run=self._fresh)
+        if carried is not None:
+            carried.runs += 1
+            self._ctx = Ctx(run=carried)
 
-    @staticmethod
-    def _new_job(spec: JobSpec | None) -> _Job:
-        """A job about to be classified; ``spec`` None: its input is refused (a stand-in spec)."""
-        given = spec
-        if spec is None:
-            stand_in = workflow.info().workflow_id[:256]
-            spec = JobSpec(job_id=stand_in, name="-", user="-", command=["-"])
-        status = JobStatus(
-            job_id=spec.job_id,
-            state=JobState.CLASSIFYING,
-            reason="Classifying against the federation's capacity reports",
-            reason_code=ReasonCode.Pending,
-            submit_ms=spec.submit_ms,
-            updated_ms=spec.submit_ms,
-            spec=given,
-        )
-        return _Job(spec=spec, status=status)
+    @property
+    def _job(self) -> JobRun:
+        return self._ctx.run
 
     # ---- messages -------------------------------------------------------------------------
 
@@ -467,8 +247,8 @@ class JobWorkflow:
     def place(self, placement: Placement) -> None:
         """From the placement tick: promote the job to this (peer, backend)."""
         # An operator's replay target, already set, is not overridden by the tick.
-        if self._job.waiting_in_queue and self._job.placement is None:
-            self._job.placement = placement
+        if self._job.waiting_in_queue and self._job.mailbox.placement is None:
+            self._job.mailbox.placement = placement
 
     @workflow.signal(name=contract.EXPLAIN)
     def explain(self, reason: str) -> None:
@@ -483,22 +263,22 @@ class JobWorkflow:
 
     def _explained(self, reason: str, code: ReasonCode | None) -> None:
         job = self._job
-        job.explanation = reason
+        job.mailbox.explanation = reason
         if code is not None:
-            job.explanation_code = code
+            job.mailbox.explanation_code = code
         if job.status.state is JobState.QUEUED_HANDOFF:
-            self._set(JobState.QUEUED_HANDOFF, reason, code=job.explanation_code, record=False)
+            self._set(JobState.QUEUED_HANDOFF, reason, code=job.mailbox.explanation_code, record=False)
 
     @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:
         """From the placement tick: the scheduling deadline passed. Whoever sent it, it ends only a
         queued job whose own deadline has passed (SIGNALS_PATCH, ``_wait_for_placement``)."""
         job = self._job
-        if job.wary and not job.waiting_in_queue:
+        if self._ctx.features.wary and not job.waiting_in_queue:
             # Kept pending, it would also keep the run from continuing as new.
             self._event(job.status.state, f"ignored expiry: the job is {job.status.state.value}, not queued")
             return
-        job.expire = True
+        job.mailbox.expire = True
 
     @workflow.signal(name=contract.OBSERVE)
     def observe(self, seen: Observation) -> None:
@@ -512,18 +292,20 @@ class JobWorkflow:
         if status is not None:
             if status.nonce != job.nonce:
                 return
-            last = job.seen_version
+            last = job.mailbox.seen_version
             if last is not None and status.epoch == last[0] and status.version <= last[1]:
                 return
-            job.seen_version = (status.epoch, status.version)
-        job.observed = seen
+            job.mailbox.seen_version = (status.epoch, status.version)
+        job.mailbox.observed = seen
 
     @workflow.signal(name=contract.WANT_LOGS)
     def want_logs(self, until_ms: int) -> None:
         """From a reader of the job's log (``iris job logs -f``): relay it every second until
         ``until_ms``, at most 10 minutes ahead (docs/DESIGN.md, "Logs")."""
         job = self._job
-        job.logs_until_ms = max(job.logs_until_ms, min(int(until_ms), self._now_ms() + 600_000))
+        job.mailbox.logs_until_ms = max(
+            job.mailbox.logs_until_ms, min(int(until_ms), self._now_ms() + 600_000)
+        )
 
     @workflow.signal(name=contract.CANCEL)
     async def cancel(self, request: CancelRequest) -> None:
@@ -566,14 +348,14 @@ class JobWorkflow:
                 self._check_replay(request)
             except ValueError as exc:
                 raise ApplicationError(str(exc), non_retryable=True) from None
-        self._job.replay = request
+        self._job.mailbox.replay = request
         return f"replay accepted: {request.describe()}"
 
     @replay_handoff.validator
     def _check_replay(self, request: ReplayRequest) -> None:
         job = self._job
         st = job.status
-        if st.state is not JobState.HANDOFF_FAILED or job.replay is not None:
+        if st.state is not JobState.HANDOFF_FAILED or job.mailbox.replay is not None:
             parked = JobState.HANDOFF_FAILED.value
             raise ValueError(
                 f"job {st.job_id} is {st.state.value}: replay-handoff applies to jobs parked in {parked}"
@@ -605,7 +387,7 @@ class JobWorkflow:
         if not self._authenticating():
             return None
         job = self._job
-        job.verifying += 1
+        self._ctx.verifying += 1
         try:
             await self._verify(action, statement, request, self._now_ms())
         except ApplicationError as exc:
@@ -613,14 +395,13 @@ class JobWorkflow:
             self._event(job.status.state, refusal)
             return refusal
         finally:
-            job.verifying -= 1
+            self._ctx.verifying -= 1
         return None
 
     async def _verdicts(self) -> None:
         """Wait for the requests being verified (none in a run that predates AUTH_PATCH)."""
-        job = self._job
-        if job.verifying:
-            await workflow.wait_condition(lambda: job.verifying == 0)
+        if self._ctx.verifying:
+            await workflow.wait_condition(lambda: self._ctx.verifying == 0)
 
     async def _verify(
         self, action: Action, statement: str, request: BaseModel, received_ms: int
@@ -650,8 +431,8 @@ class JobWorkflow:
 
     def _request_cancel(self, request: CancelRequest) -> None:
         job = self._job
-        if job.cancel is None and not job.status.terminal:
-            job.cancel = request
+        if job.mailbox.cancel is None and not job.status.terminal:
+            job.mailbox.cancel = request
             job.status.cancel_requested = True
             self._event(job.status.state, f"cancel requested: {request.reason}")
 
@@ -700,13 +481,13 @@ class JobWorkflow:
         job = self._job
         updates = []
         # Runs recorded before the patch upserted the state on every change of state or reason.
-        if state.value != job.sa_state or not job.local_steps:
+        if state.value != job.sa_state or not self._ctx.features.local_steps:
             updates.append(contract.SA_STATE.value_set(state.value))
             job.sa_state = state.value
         if new_peer is not None:
             updates.append(contract.SA_PEER.value_set(new_peer))
         code = job.status.reason_code
-        if job.reasons and code is not None and code.value != job.sa_reason:
+        if self._ctx.features.reasons and code is not None and code.value != job.sa_reason:
             updates.append(contract.SA_REASON.value_set(code.value))
             job.sa_reason = code.value
         if updates:
@@ -718,7 +499,7 @@ class JobWorkflow:
         """A federation-store transaction: milliseconds on the worker's own store connection, so a
         local activity (no task-queue round trip) unless this run predates the patch or the step
         must be recorded in a workflow task of its own (``local=False``)."""
-        if self._job.local_steps and local:
+        if self._ctx.features.local_steps and local:
             return workflow.start_local_activity_method(
                 method, arg, start_to_close_timeout=_QUICK, retry_policy=_STORE_RETRY
             )
@@ -783,7 +564,7 @@ class JobWorkflow:
                 "own workflows: not a job id",
                 non_retryable=True,
             )
-        carry = self._carry
+        carry = self._carried
         if self._sealed_input and workflow.unsafe.is_replaying():
             # Read before (the run went on), unreadable now: this process lacks a key of the ring.
             # The task (or a replay) fails with that, as the codec itself used to fail it; only a
@@ -795,13 +576,15 @@ class JobWorkflow:
             if not checked and self._refused_input is not None:
                 raise ValueError(self._refused_input)  # before the patch: the task failed (for ever)
             if checked and self._forged_carry:
-                # A raw start with a Carry: a new job, refused in its first task (``_admit``).
-                self._job, carry = self._fresh, None
+                # A raw start with a JobRun: a new job, refused in its first task (``_admit``).
+                self._ctx, carry = Ctx(run=self._fresh), None
             return carry is None
 
         def classifying(reasons: bool, local_steps: bool) -> None:
             job = self._job
-            job.reasons, job.local_steps = reasons, local_steps
+            # The CLASSIFYING move below writes as these two features say.
+            self._ctx.features = Features(reasons=reasons, local_steps=local_steps)
+            job.local_steps = local_steps
             if reasons:
                 job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
             if local_steps:
@@ -813,22 +596,12 @@ class JobWorkflow:
         features = versions.read(
             first_run=first_run, classifying=classifying, carried_local_steps=self._job.local_steps
         )
+        self._ctx.features = features
         job = self._job
         if carry is not None and features.reasons:
             # The visibility store holds what the run that continued as new last upserted.
             job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
-        job.checked = features.checked
-        job.reasons = features.reasons
-        job.local_steps = features.local_steps
-        job.can_continue = features.can_continue
-        job.numbered = features.numbered
-        job.sizing = features.sizing
         authenticating = features.authenticating
-        job.feed = features.feed
-        job.preemption = features.preemption
-        job.timers = features.timers
-        job.wary = features.wary
-        job.frees = features.frees
         try:
             try:
                 await (self._lifecycle(authenticating) if carry is None else self._resume(carry))
@@ -846,7 +619,7 @@ class JobWorkflow:
         return job.status
 
     async def _lifecycle(self, authenticating: bool = False) -> None:
-        if self._job.checked:
+        if self._ctx.features.checked:
             await self._admit()
         if authenticating:
             await self._authenticate()
@@ -856,7 +629,7 @@ class JobWorkflow:
         self._job.pin = decision.pinned_cluster
         if decision.disposition is Disposition.REJECT:
             await self._finish(JobState.REJECTED, decision.reason, decision.code)
-        if self._job.cancel is not None:
+        if self._job.mailbox.cancel is not None:
             await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
         if decision.disposition is Disposition.LOCAL:
             if decision.placement is not None and versions.home_ledger():
@@ -887,7 +660,7 @@ class JobWorkflow:
                 JobState.REJECTED, f"submission refused: {exc.message}", ReasonCode.SubmissionRefused
             )
         prefix = user_prefix(principal.name)
-        if job.checked and not job.spec.job_id.startswith(f"{prefix}/"):
+        if self._ctx.features.checked and not job.spec.job_id.startswith(f"{prefix}/"):
             # Another user's name: the job would run, and hold the name, as theirs.
             await self._finish(
                 JobState.REJECTED,
@@ -931,9 +704,10 @@ class JobWorkflow:
                 ReasonCode.SubmissionRefused,
             )
 
-    async def _resume(self, carry: Carry) -> None:
+    async def _resume(self, carry: JobRun) -> None:
         """Pick the job up where the run that continued as new left it."""
         view = carry.view
+        assert view is not None
         if carry.phase is Phase.QUEUED:
             placement = await self._await_promotion()
             backend = placement.backend_id or self._backend_for(view, placement.peer_id)
@@ -946,16 +720,14 @@ class JobWorkflow:
 
     def _continue_due(self) -> bool:
         """Whether this run's history is long enough to continue as new (at a quiet point)."""
-        job = self._job
-        if not job.can_continue:
+        if not self._ctx.features.can_continue:
             return False
         info = workflow.info()
         long = info.get_current_history_length() >= _CONTINUE_AFTER_EVENTS
         return long or info.is_continue_as_new_suggested()
 
     def _quiet(self) -> bool:
-        job = self._job
-        return job.cancel is None and job.placement is None and job.replay is None and not job.expire
+        return self._job.mailbox.quiet
 
     async def _continue_as_new(
         self,
@@ -973,43 +745,8 @@ class JobWorkflow:
             return
         job = self._job
         assert job.view is not None
-        st = job.status.model_copy()
-        if len(st.events) > _EVENTS_HEAD + _EVENTS_TAIL:
-            dropped = len(st.events) - _EVENTS_HEAD - _EVENTS_TAIL
-            marker = JobEvent(
-                at_ms=st.events[_EVENTS_HEAD].at_ms,
-                state=st.events[_EVENTS_HEAD].state,
-                message=f"({dropped} events omitted)",
-            )
-            st.events = [*st.events[:_EVENTS_HEAD], marker, *st.events[-_EVENTS_TAIL:]]
-        carry = Carry(
-            phase=phase,
-            status=st,
-            view=job.view,
-            cluster=cluster,
-            backend=backend,
-            remote=remote,
-            pin=job.pin,
-            clusters=tuple(job.clusters),
-            queued=job.queued,
-            local_steps=job.local_steps,
-            sa_state=job.sa_state,
-            memo_reason=job.memo_reason,
-            explanation=job.explanation,
-            attempt=job.attempt,
-            failures_retried=job.failures_retried,
-            preemptions_retried=job.preemptions_retried,
-            maybe_on=job.maybe_on,
-            lost_after_s=job.lost_after_s,
-            runs=job.runs,
-            principal=job.principal,
-            observed=job.observed,
-            seen_version=job.seen_version,
-            logs_until_ms=job.logs_until_ms,
-            promoted=job.promoted,
-            released=job.released,
-        )
-        workflow.continue_as_new(args=[job.spec, carry])
+        job.phase, job.cluster, job.backend, job.remote = phase, cluster, backend, remote
+        workflow.continue_as_new(args=[job.spec, handover(job)])
 
     async def _classify(self) -> tuple[FederationView, Classification]:
         """CLASSIFYING: home now, the queue, or rejected (docs/DESIGN.md, "Classification")."""
@@ -1034,9 +771,9 @@ class JobWorkflow:
             stale_after_ms=view.stale_after_ms,
             configured=view.configured,
             reservations=view.reservations,
-            reject_too_large=job.sizing,
+            reject_too_large=self._ctx.features.sizing,
         )
-        job.clusters = [r.peer_id for r in view.reports]
+        job.clusters = tuple(r.peer_id for r in view.reports)
         job.view = view
         job.lost_after_s = view.peer_lost_after_s
         job.status.disposition = decision.disposition.value
@@ -1049,8 +786,13 @@ class JobWorkflow:
         job = self._job
         await self._enqueue()
         self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON)
-        if job.explanation is not None:
-            self._set(JobState.QUEUED_HANDOFF, job.explanation, code=job.explanation_code, record=False)
+        if job.mailbox.explanation is not None:
+            self._set(
+                JobState.QUEUED_HANDOFF,
+                job.mailbox.explanation,
+                code=job.mailbox.explanation_code,
+                record=False,
+            )
         return await self._await_promotion()
 
     async def _reserve_home(self, placement: Placement) -> Placement:
@@ -1062,7 +804,7 @@ class JobWorkflow:
         await self._enqueue()
         promoted = await self._promote(placement)
         if promoted is not None:
-            job.placement = None  # a tick's offer that raced the promotion is moot
+            job.mailbox.placement = None  # a tick's offer that raced the promotion is moot
             job.queued_since_ms = None  # run at home at once: it never waited in the queue
             return promoted
         job.status.disposition = Disposition.QUEUE.value
@@ -1071,8 +813,13 @@ class JobWorkflow:
             f"{QUEUED_REASON} (home filled up since the reports were read)",
             code=ReasonCode.NoCapacity,
         )
-        if job.explanation is not None:
-            self._set(JobState.QUEUED_HANDOFF, job.explanation, code=job.explanation_code, record=False)
+        if job.mailbox.explanation is not None:
+            self._set(
+                JobState.QUEUED_HANDOFF,
+                job.mailbox.explanation,
+                code=job.mailbox.explanation_code,
+                record=False,
+            )
         return await self._await_promotion()
 
     async def _enqueue(self) -> None:
@@ -1084,10 +831,10 @@ class JobWorkflow:
         # Shielded: a Temporal cancel must not abandon the insert half-way; the cancel path waits
         # for it and then records the cancel against the handle it wrote.
         shape = job.spec.shape().model_copy(update={"target_cluster": job.pin})
-        job.enqueue_op = self._store_step(
+        self._ctx.enqueue_op = self._store_step(
             StoreActivities.enqueue_job, EnqueueInput(shape=shape, incarnation=job.incarnation)
         )
-        await asyncio.shield(job.enqueue_op)
+        await asyncio.shield(self._ctx.enqueue_op)
 
     def _backend_for(self, view: FederationView, cluster: str) -> str:
         """The backend to name when nothing chose one: the best of the cluster's reported backends,
@@ -1106,8 +853,8 @@ class JobWorkflow:
         job = self._job
         while True:
             placement = await self._wait_for_placement()
-            vouched, job.vouched = job.vouched, False
-            if job.wary and not vouched:
+            vouched, job.mailbox.vouched = job.mailbox.vouched, False
+            if self._ctx.features.wary and not vouched:
                 vetted = await self._vetted(placement)
                 if vetted is None:
                     continue
@@ -1133,27 +880,32 @@ class JobWorkflow:
                         lambda: not self._quiet() or self._continue_due(), timeout=timeout
                     )
                 except TimeoutError:
-                    job.expire = own_timer = True
+                    job.mailbox.expire = own_timer = True
                 if not self._quiet():
                     break
                 await self._continue_as_new(Phase.QUEUED)
-            if job.cancel is not None:
+            if job.mailbox.cancel is not None:
                 await self._cancel_queued()
-            if job.expire and job.wary and not own_timer and not self._deadline_passed(deadline_ms):
-                job.expire = False
+            if (
+                job.mailbox.expire
+                and self._ctx.features.wary
+                and not own_timer
+                and not self._deadline_passed(deadline_ms)
+            ):
+                job.mailbox.expire = False
                 due = "the job has no scheduling deadline"
                 if deadline_ms is not None:
                     due = f"the job's deadline is {(deadline_ms - self._now_ms()) / 1000:.0f}s away"
                 self._event(job.status.state, f"ignored expiry: {due}")
-                if job.placement is None:
+                if job.mailbox.placement is None:
                     continue
-            if job.expire:
+            if job.mailbox.expire:
                 await self._store_step(
                     StoreActivities.expire_job,
                     ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation),
                 )
                 await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
-            placement, job.placement = job.placement, None
+            placement, job.mailbox.placement = job.mailbox.placement, None
             assert placement is not None
             return placement
 
@@ -1260,9 +1012,10 @@ class JobWorkflow:
     async def _cancel_queued(self) -> NoReturn:
         """Record the cancel intent in the store; either way the job is never delivered."""
         job = self._job
-        assert job.cancel is not None
+        assert job.mailbox.cancel is not None
         outcome = await self._store_step(
-            StoreActivities.record_cancel, CancelIntentInput(job_id=job.spec.job_id, reason=job.cancel.reason)
+            StoreActivities.record_cancel,
+            CancelIntentInput(job_id=job.spec.job_id, reason=job.mailbox.cancel.reason),
         )
         if not outcome.won:
             self._event(JobState.PENDING_HANDOFF, "cancel arrived after promotion; the job is not handed off")
@@ -1320,7 +1073,7 @@ class JobWorkflow:
         prepare = f"Runs at home on {cluster}" if home or not job.queued else f"Promoted to {cluster}"
         self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
         await self._verdicts()
-        if job.cancel is not None:
+        if job.mailbox.cancel is not None:
             await self._cancel_before_handoff()
         if job.spec.artifacts:
             await self._check_artifacts(cluster)
@@ -1354,7 +1107,7 @@ class JobWorkflow:
         if report.missing:
             more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
             raise _Parked(report.reasons[0] + more, code=ReasonCode.ArtifactMissing)
-        if self._job.cancel is not None:
+        if self._job.mailbox.cancel is not None:
             await self._cancel_before_handoff()
 
     async def _stage_bundle(self, cluster: str, bundle: BundleRef) -> None:
@@ -1367,7 +1120,7 @@ class JobWorkflow:
         staged = await self._handoff_step(PeerActivities.stage_bundle, stage, step, why)
         done = "uploaded to" if staged.uploaded else "already on"
         self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
-        if self._job.cancel is not None:
+        if self._job.mailbox.cancel is not None:
             await self._cancel_before_handoff()
 
     async def _launch(
@@ -1376,9 +1129,9 @@ class JobWorkflow:
         """The handoff: a signed launch under the job's id and the attempt's nonce (docs/DESIGN.md,
         "Launch"). From the workflow task that schedules it on, the job counts as delivered."""
         job = self._job
-        if job.verifying and not job.delivered:
+        if self._ctx.verifying and not job.delivered:
             await self._verdicts()
-            if job.cancel is not None:
+            if job.mailbox.cancel is not None:
                 await self._cancel_before_handoff()
         self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         job.delivered = True
@@ -1403,7 +1156,7 @@ class JobWorkflow:
                 preemptions=job.preemptions_retried,
             )
         except ValidationError as exc:
-            if not job.checked:
+            if not self._ctx.features.checked:
                 raise
             # No backend known on the cluster, say (SUBMISSION_PATCH): parked, not a task failed
             # for ever. Nothing was sent.
@@ -1413,16 +1166,16 @@ class JobWorkflow:
         try:
             # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
             # terminates on the peer (a swallowed cancel would let the job run on).
-            job.launch_op = workflow.start_activity_method(
+            self._ctx.launch_op = workflow.start_activity_method(
                 PeerActivities.launch_job,
                 LaunchInput(cluster=cluster, request=request),
                 start_to_close_timeout=_QUICK,
                 retry_policy=self._handoff_retry(),
             )
-            return await asyncio.shield(job.launch_op)
+            return await asyncio.shield(self._ctx.launch_op)
         except ActivityError as exc:
             why = f"Handoff to {cluster} failed after retries"
-            if _is_cancellation(exc) or _refusal(exc) or not job.numbered:
+            if _is_cancellation(exc) or _refusal(exc) or not self._ctx.features.numbered:
                 await self._refused_or_parked(exc, why)
             # No answer, but the launch may have landed: the cluster says whether it has the job.
             found = await self._find_attempt(cluster, job.nonce)
@@ -1444,7 +1197,7 @@ class JobWorkflow:
         """How the launch and the bundle staging are retried: the view's schedule (TIMERS_PATCH),
         else _HANDOFF_RETRY."""
         view = self._job.view
-        if not self._job.timers or view is None:
+        if not self._ctx.features.timers or view is None:
             return _HANDOFF_RETRY
         return dataclasses.replace(
             _HANDOFF_RETRY,
@@ -1456,7 +1209,7 @@ class JobWorkflow:
         """When a parked job first asks its cluster again, and the most it waits between two asks:
         the view's (TIMERS_PATCH), else _PROBE_FIRST and _PROBE_MAX."""
         view = self._job.view
-        if not self._job.timers or view is None:
+        if not self._ctx.features.timers or view is None:
             return _PROBE_FIRST, _PROBE_MAX
         return timedelta(seconds=view.parked_probe_first_s), timedelta(seconds=view.parked_probe_max_s)
 
@@ -1471,7 +1224,7 @@ class JobWorkflow:
                 continue
             if earlier.preempted is not None:
                 continue  # the cluster preempted it: ended there for good, nothing to ask
-            if not (job.numbered and versions.asks_earlier_attempt()):
+            if not (self._ctx.features.numbered and versions.asks_earlier_attempt()):
                 await self._terminate(cluster, earlier.nonce)
                 continue
             found = await self._find_attempt(cluster, earlier.nonce)
@@ -1576,7 +1329,7 @@ class JobWorkflow:
         while True:
             try:
                 await workflow.wait_condition(
-                    lambda: job.cancel is not None or job.replay is not None,
+                    lambda: job.mailbox.cancel is not None or job.mailbox.replay is not None,
                     timeout=probe_in if job.maybe_on is not None else None,
                 )
             except TimeoutError:
@@ -1585,9 +1338,9 @@ class JobWorkflow:
                 await self._continue_as_new(Phase.PARKED, cluster=cluster, backend=backend)
                 continue
             break
-        if job.cancel is not None:
+        if job.mailbox.cancel is not None:
             await self._finish(JobState.KILLED, await self._stop_maybe_running())
-        replay, job.replay = job.replay, None
+        replay, job.mailbox.replay = job.mailbox.replay, None
         assert replay is not None
         return replay
 
@@ -1617,7 +1370,12 @@ class JobWorkflow:
         known not to run on its cluster (no launch of the attempt whose outcome is unknown), and
         its won promotion is known, to be taken again by a replay in place."""
         job = self._job
-        return job.frees and job.numbered and job.maybe_on is None and job.promoted is not None
+        return (
+            self._ctx.features.frees
+            and self._ctx.features.numbered
+            and job.maybe_on is None
+            and job.promoted is not None
+        )
 
     async def _stop_maybe_running(self) -> str:
         """A cancel of a parked job: if its last launch may have landed, terminate it there and wait
@@ -1659,14 +1417,14 @@ class JobWorkflow:
         else:
             assert replay.peer is not None
             self._set(JobState.QUEUED_HANDOFF, f"Operator replay to {replay.peer}")
-            job.placement = Placement(
+            job.mailbox.placement = Placement(
                 job_id=job.spec.job_id,
                 peer_id=replay.peer,
                 backend_id="",
                 forced=True,
                 reason="operator replay",
             )
-            job.vouched = True
+            job.mailbox.vouched = True
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 
@@ -1705,13 +1463,13 @@ class JobWorkflow:
     async def _follow(self, cluster: str, remote: ControllerJobStatus) -> _Retry | None:
         """Follow the attempt to its end. None: the job ended (its handle too); a ``_Retry``: the
         attempt failed, or its cluster lost it, and the job has a retry left for that."""
-        if not self._job.numbered:  # runs begun before attempts were numbered
+        if not self._ctx.features.numbered:  # runs begun before attempts were numbered
             await self._mirror_to_end(cluster, remote)
             return None
         job = self._job
         end, reason, last = await self._follow_attempt(cluster, remote)
         preempted = None
-        if job.preemption and last is not None and last.state is ControllerJobState.PREEMPTED:
+        if self._ctx.features.preemption and last is not None and last.state is ControllerJobState.PREEMPTED:
             preempted = last.error or f"preempted on {cluster}"
         self._attempt_ended(end, reason, last.exit_code if last is not None else None, preempted)
         retries = {
@@ -1722,7 +1480,7 @@ class JobWorkflow:
                 "--max-retries-preemption",
             ),
         }.get(end)
-        if retries is not None and job.cancel is None:
+        if retries is not None and job.mailbox.cancel is None:
             used, budget, flag = retries
             if used < budget:
                 return _Retry(end, reason, preempted)
@@ -1733,9 +1491,12 @@ class JobWorkflow:
             AttemptEnd.KILLED: JobState.KILLED,
         }.get(end, JobState.FAILED)
         code = ReasonCode.Preempted if preempted is not None else end.code
-        if end is AttemptEnd.PREEMPTED and job.cancel is not None:
+        if end is AttemptEnd.PREEMPTED and job.mailbox.cancel is not None:
             # Lost while a cancel was on its way (its cluster restarted, say): the job was cancelled.
-            final, reason = JobState.KILLED, f"Cancelled: {job.cancel.reason}; the attempt was lost: {reason}"
+            final, reason = (
+                JobState.KILLED,
+                f"Cancelled: {job.mailbox.cancel.reason}; the attempt was lost: {reason}",
+            )
             code = ReasonCode.Cancelled
         # Shown only now: an attempt that is retried never shows the job as ended.
         if last is not None:
@@ -1757,11 +1518,11 @@ class JobWorkflow:
         report_s = min(30.0, job.lost_after_s / 4)
         if not remote.terminal:
             self._apply(remote)
-        feed = job.feed and job.view is not None and job.view.mirror_safety_poll_s > 0
+        feed = self._ctx.features.feed and job.view is not None and job.view.mirror_safety_poll_s > 0
         # Ask the cluster at once rather than wait for the watcher (an end it could not confirm).
         ask_now = False
         while not remote.terminal:
-            if job.cancel is not None and not terminated:
+            if job.mailbox.cancel is not None and not terminated:
                 terminated = True
                 if not await self._terminate(cluster, nonce):
                     await self._fence(cluster, nonce)
@@ -1773,9 +1534,14 @@ class JobWorkflow:
                     seen = await self._await_news()
                     if self._cancel_unsent(terminated):
                         continue
-                    if seen is not None and job.wary:
+                    if seen is not None and self._ctx.features.wary:
                         seen = self._for_attempt(seen, cluster, nonce)
-                    if seen is not None and seen.status is not None and seen.status.terminal and job.wary:
+                    if (
+                        seen is not None
+                        and seen.status is not None
+                        and seen.status.terminal
+                        and self._ctx.features.wary
+                    ):
                         # An end is believed only as its cluster reports it (SIGNALS_PATCH).
                         confirmed = await self._confirmed_end(cluster, nonce, seen.status)
                         if confirmed is None:
@@ -1800,14 +1566,14 @@ class JobWorkflow:
                             remote=remote,
                         )
                         continue
-                    if seen is not None and seen.silent_since_ms is not None and not job.wary:
+                    if seen is not None and seen.silent_since_ms is not None and not self._ctx.features.wary:
                         # Its silence counts from when the watcher first saw it, not from now.
                         # (SIGNALS_PATCH: from what follow_job measures; a notice is not proof.)
                         silent_since = min(seen.silent_since_ms, self._now_ms())
                 ask_now = False
                 # A silence notice, the safety poll, or a reader of the log: ask the cluster, at
                 # once (one answer), or relaying the log every second while a reader wants it.
-                max_wait_s = max(0.0, min(max_wait_s, (job.logs_until_ms - self._now_ms()) / 1000))
+                max_wait_s = max(0.0, min(max_wait_s, (job.mailbox.logs_until_ms - self._now_ms()) / 1000))
             handle = workflow.start_activity_method(
                 PeerActivities.follow_job,
                 FollowInput(
@@ -1852,7 +1618,7 @@ class JobWorkflow:
                 continue
             silent_since = None
             remote = followed.status
-            if job.wary:
+            if self._ctx.features.wary:
                 self._seen(remote)
             if remote.terminal:
                 break
@@ -1862,8 +1628,8 @@ class JobWorkflow:
                 await self._continue_as_new(Phase.FOLLOWING, cluster=cluster, backend=backend, remote=remote)
         end = attempt_end(remote.state, remote.error)
         _, reason = self._shown(remote, cluster)
-        if job.cancel is not None and remote.state is ControllerJobState.KILLED:
-            reason = f"Cancelled on {cluster}: {job.cancel.reason}"
+        if job.mailbox.cancel is not None and remote.state is ControllerJobState.KILLED:
+            reason = f"Cancelled on {cluster}: {job.mailbox.cancel.reason}"
         if end is AttemptEnd.TIMEOUT:
             reason = f"Failed on {cluster}: timeout ({job.spec.timeout_s:g}s)"
         return end, reason, remote
@@ -1900,7 +1666,9 @@ class JobWorkflow:
         state, reason = self._shown(remote, st.cluster or "")
         # An end as the attempt's own (a timeout, a lost worker); a state under way, the state's.
         code = (
-            end_code(remote.state, remote.error, preemption=self._job.preemption) if remote.terminal else None
+            end_code(remote.state, remote.error, preemption=self._ctx.features.preemption)
+            if remote.terminal
+            else None
         )
         self._set(state, reason, code=code)
 
@@ -1937,7 +1705,7 @@ class JobWorkflow:
         terminated = False
         self._apply(remote)
         while not remote.terminal:
-            if job.cancel is not None and not terminated:
+            if job.mailbox.cancel is not None and not terminated:
                 await self._terminate(cluster)
                 terminated = True
                 continue
@@ -1964,8 +1732,8 @@ class JobWorkflow:
                     return
                 raise
             self._apply(remote)
-        if job.cancel is not None and remote.state is ControllerJobState.KILLED:
-            self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.cancel.reason}")
+        if job.mailbox.cancel is not None and remote.state is ControllerJobState.KILLED:
+            self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.mailbox.cancel.reason}")
 
     async def _done_before_cancel(self, handle: workflow.ActivityHandle[Any], terminated: bool) -> bool:
         """Wait for the mirroring activity; a cancel the cluster has not been told of yet stops it
@@ -1987,7 +1755,7 @@ class JobWorkflow:
         due_s = job.view.mirror_safety_poll_s * (0.8 + 0.4 * workflow.random().random())
         with contextlib.suppress(TimeoutError):
             await workflow.wait_condition(self._news, timeout=timedelta(seconds=due_s))
-        seen, job.observed = job.observed, None
+        seen, job.mailbox.observed = job.mailbox.observed, None
         return seen
 
     def _for_attempt(self, seen: Observation, cluster: str, nonce: str) -> Observation | None:
@@ -2048,11 +1816,15 @@ class JobWorkflow:
         """The cluster's own word on the attempt: its feed version, not an observation's claim, is
         the newest seen (a forged version cannot keep the watcher's next ones out)."""
         if status.epoch:
-            self._job.seen_version = (status.epoch, status.version)
+            self._job.mailbox.seen_version = (status.epoch, status.version)
 
     def _news(self) -> bool:
         job = self._job
-        return job.observed is not None or self._cancel_unsent(False) or job.logs_until_ms > self._now_ms()
+        return (
+            job.mailbox.observed is not None
+            or self._cancel_unsent(False)
+            or job.mailbox.logs_until_ms > self._now_ms()
+        )
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
         return handle.done() or self._cancel_unsent(terminated)
@@ -2065,7 +1837,7 @@ class JobWorkflow:
 
     def _cancel_unsent(self, terminated: bool) -> bool:
         """A cancel the attempt's cluster has not been told of yet."""
-        return self._job.cancel is not None and not terminated
+        return self._job.mailbox.cancel is not None and not terminated
 
     async def _terminate(self, cluster: str, nonce: str | None = None) -> bool:
         """Terminate the attempt on ``cluster`` and wait until the cluster confirms it ended (or
@@ -2110,7 +1882,9 @@ class JobWorkflow:
                 log_key=log_key(job.spec.job_id, job.attempt),
             ),
             start_to_close_timeout=_QUICK,
-            schedule_to_close_timeout=timedelta(seconds=job.lost_after_s) if job.numbered else None,
+            schedule_to_close_timeout=timedelta(seconds=job.lost_after_s)
+            if self._ctx.features.numbered
+            else None,
             retry_policy=_MIRROR_RETRY,
         )
 
@@ -2120,7 +1894,7 @@ class JobWorkflow:
         try:
             return await self._read_remote(cluster)
         except ActivityError as exc:
-            if _is_cancellation(exc) or not self._job.numbered:
+            if _is_cancellation(exc) or not self._ctx.features.numbered:
                 raise
             self._event(
                 self._job.status.state,
@@ -2133,7 +1907,7 @@ class JobWorkflow:
         job = self._job
         st = job.status
         # Let shielded writes land first, so the cancel is recorded against what they wrote.
-        for op in (job.enqueue_op, job.launch_op):
+        for op in (self._ctx.enqueue_op, self._ctx.launch_op):
             if op is not None and not op.done():
                 with contextlib.suppress(ActivityError):
                     await op
@@ -2147,7 +1921,7 @@ class JobWorkflow:
         try:
             remote = await self._read_remote(cluster)
         except ActivityError as exc:
-            if _is_cancellation(exc) or not job.numbered:
+            if _is_cancellation(exc) or not self._ctx.features.numbered:
                 raise
             cause = exc.cause
             if isinstance(cause, ApplicationError) and cause.type == contract.JOB_LOST:
