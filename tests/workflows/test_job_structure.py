@@ -29,3 +29,44 @@ def test_only_the_versions_module_asks_a_patch() -> None:
         if calls_of(ast.parse(path.read_text()), "patched")
     }
     assert askers == {"versions.py"}
+
+
+DESIGN = ROOT / "docs" / "DESIGN.md"
+
+
+def design_phase_table() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/DESIGN.md's "The phase machine" table: phase -> (states it shows, phases it may go to)."""
+    text = DESIGN.read_text()
+    section = text.split("### The phase machine", 1)[1].split("\n#", 1)[0]
+    rows: dict[str, tuple[set[str], set[str]]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+
+        def words(cell: str) -> set[str]:
+            return {w.strip() for w in cell.split("·") if w.strip() not in ("", "—")}
+
+        rows[cells[0].strip("`")] = (words(cells[1]), words(cells[2]))
+    return rows
+
+
+def test_the_transition_table_is_the_one_in_design_md() -> None:
+    from workflows.job.transitions import NEXT, SHOWS
+
+    code = {phase.value: ({s.value for s in SHOWS[phase]}, {n.value for n in NEXT[phase]}) for phase in NEXT}
+    assert design_phase_table() == code
+
+
+def test_only_the_transitions_module_assigns_a_job_state() -> None:
+    """``status.state`` (or ``st.state`` of a status) is assigned in workflows/job/transitions.py only."""
+    writers = set()
+    for path in job_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute) and sub.attr == "state":
+                        writers.add(path.relative_to(JOB).as_posix())
+    assert writers == {"transitions.py"}

@@ -59,7 +59,6 @@ with workflow.unsafe.imports_passed_through():
         AttemptView,
         CancelOutcome,
         CancelRequest,
-        JobEvent,
         JobState,
         JobStatus,
         ReplayRequest,
@@ -70,7 +69,6 @@ with workflow.unsafe.imports_passed_through():
         handle_end,
         log_key,
         mirrored_state,
-        state_code,
         user_prefix,
     )
     from iris.payloadconverter import still_encrypted
@@ -90,7 +88,7 @@ with workflow.unsafe.imports_passed_through():
     from iris.store.models import HandleState, PromoteOutcome
     from iris.userauth import Action, Principal, request_digest
 
-from workflows.job import versions
+from workflows.job import transitions, versions
 from workflows.job.state import Ctx, JobRun, Phase, handover, new_run, read_inputs
 from workflows.job.versions import (
     ATTEMPTS_PATCH,
@@ -267,7 +265,9 @@ class JobWorkflow:
         if code is not None:
             job.mailbox.explanation_code = code
         if job.status.state is JobState.QUEUED_HANDOFF:
-            self._set(JobState.QUEUED_HANDOFF, reason, code=job.mailbox.explanation_code, record=False)
+            transitions.move(
+                self._ctx, JobState.QUEUED_HANDOFF, reason, code=job.mailbox.explanation_code, record=False
+            )
 
     @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:
@@ -276,7 +276,11 @@ class JobWorkflow:
         job = self._job
         if self._ctx.features.wary and not job.waiting_in_queue:
             # Kept pending, it would also keep the run from continuing as new.
-            self._event(job.status.state, f"ignored expiry: the job is {job.status.state.value}, not queued")
+            transitions.event(
+                self._ctx,
+                job.status.state,
+                f"ignored expiry: the job is {job.status.state.value}, not queued",
+            )
             return
         job.mailbox.expire = True
 
@@ -304,7 +308,7 @@ class JobWorkflow:
         ``until_ms``, at most 10 minutes ahead (docs/DESIGN.md, "Logs")."""
         job = self._job
         job.mailbox.logs_until_ms = max(
-            job.mailbox.logs_until_ms, min(int(until_ms), self._now_ms() + 600_000)
+            job.mailbox.logs_until_ms, min(int(until_ms), transitions.now_ms() + 600_000)
         )
 
     @workflow.signal(name=contract.CANCEL)
@@ -389,10 +393,10 @@ class JobWorkflow:
         job = self._job
         self._ctx.verifying += 1
         try:
-            await self._verify(action, statement, request, self._now_ms())
+            await self._verify(action, statement, request, transitions.now_ms())
         except ApplicationError as exc:
             refusal = f"{action.label} refused: {exc.message}"
-            self._event(job.status.state, refusal)
+            transitions.event(self._ctx, job.status.state, refusal)
             return refusal
         finally:
             self._ctx.verifying -= 1
@@ -434,64 +438,9 @@ class JobWorkflow:
         if job.mailbox.cancel is None and not job.status.terminal:
             job.mailbox.cancel = request
             job.status.cancel_requested = True
-            self._event(job.status.state, f"cancel requested: {request.reason}")
+            transitions.event(self._ctx, job.status.state, f"cancel requested: {request.reason}")
 
     # ---- state bookkeeping ----------------------------------------------------------------
-
-    def _now_ms(self) -> int:
-        return int(workflow.now().timestamp() * 1000)
-
-    def _event(self, state: JobState, message: str) -> None:
-        st = self._job.status
-        st.events.append(JobEvent(at_ms=self._now_ms(), state=state, message=message))
-        st.updated_ms = self._now_ms()
-
-    def _set(
-        self,
-        state: JobState,
-        reason: str,
-        *,
-        code: ReasonCode | None = None,
-        cluster: str | None = None,
-        record: bool = True,
-    ) -> None:
-        """Show the job in ``state`` for ``reason``, with ``code`` (by default the state's own,
-        iris/jobs.py state_code) beside it."""
-        job = self._job
-        st = job.status
-        changed = state != st.state or reason != st.reason
-        st.state = state
-        st.reason = reason
-        st.reason_code = code or state_code(state)
-        st.updated_ms = self._now_ms()
-        new_peer = cluster if cluster is not None and cluster != st.cluster else None
-        if new_peer is not None:
-            st.cluster = new_peer
-            changed = True
-        if changed and record:
-            self._event(state, reason)
-        self._upsert_search_attributes(state, new_peer)
-        if reason != job.memo_reason:
-            # The reason rides in the memo so `iris job list` shows it without querying every job.
-            job.memo_reason = reason
-            workflow.upsert_memo({contract.MEMO_REASON: reason})
-        workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
-
-    def _upsert_search_attributes(self, state: JobState, new_peer: str | None) -> None:
-        job = self._job
-        updates = []
-        # Runs recorded before the patch upserted the state on every change of state or reason.
-        if state.value != job.sa_state or not self._ctx.features.local_steps:
-            updates.append(contract.SA_STATE.value_set(state.value))
-            job.sa_state = state.value
-        if new_peer is not None:
-            updates.append(contract.SA_PEER.value_set(new_peer))
-        code = job.status.reason_code
-        if self._ctx.features.reasons and code is not None and code.value != job.sa_reason:
-            updates.append(contract.SA_REASON.value_set(code.value))
-            job.sa_reason = code.value
-        if updates:
-            workflow.upsert_search_attributes(updates)
 
     def _store_step(
         self, method: Callable[[StoreActivities, _In], Awaitable[_Out]], arg: _In, *, local: bool = True
@@ -535,7 +484,7 @@ class JobWorkflow:
                 raise
             cause = exc.cause if isinstance(exc, ActivityError) else exc
             # The queue's bookkeeping refused a transition; the job itself goes on, and says so.
-            self._event(job.status.state, f"federation store kept its state: {cause or exc}")
+            transitions.event(self._ctx, job.status.state, f"federation store kept its state: {cause or exc}")
 
     async def _record_end(self, reason: str | None) -> None:
         """A queued job's handle ends as the job did."""
@@ -544,7 +493,7 @@ class JobWorkflow:
             await self._handle_state(end, reason)
 
     async def _end(self, state: JobState, reason: str, code: ReasonCode | None = None) -> None:
-        self._set(state, reason, code=code)
+        transitions.move(self._ctx, state, reason, code=code)
         await self._record_end(reason)
 
     async def _finish(self, state: JobState, reason: str, code: ReasonCode | None = None) -> NoReturn:
@@ -589,8 +538,8 @@ class JobWorkflow:
                 job.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
             if local_steps:
                 job.sa_state = JobState.CLASSIFYING.value  # set by the client at start
-            self._event(JobState.CLASSIFYING, job.status.reason)
-            self._set(JobState.CLASSIFYING, job.status.reason)
+            transitions.event(self._ctx, JobState.CLASSIFYING, job.status.reason)
+            transitions.move(self._ctx, JobState.CLASSIFYING, job.status.reason)
 
         # First of all: whether this run's input is checked decides which job it is.
         features = versions.read(
@@ -669,7 +618,9 @@ class JobWorkflow:
                 ReasonCode.SubmissionRefused,
             )
         job.principal = principal.name
-        self._event(JobState.CLASSIFYING, f"submitted by {principal.name} (signature verified)")
+        transitions.event(
+            self._ctx, JobState.CLASSIFYING, f"submitted by {principal.name} (signature verified)"
+        )
 
     async def _admit(self) -> None:
         """SUBMISSION_PATCH: a start whose input is not one JobSpec the SDK would submit, or that
@@ -767,7 +718,7 @@ class JobWorkflow:
             reports=view.reports,
             # Judged when the reports were read: a workflow task delayed by a worker crash must
             # not turn fresh reports stale and reject a job the federation can run.
-            now_ms=view.fetched_ms if view.fetched_ms is not None else self._now_ms(),
+            now_ms=view.fetched_ms if view.fetched_ms is not None else transitions.now_ms(),
             stale_after_ms=view.stale_after_ms,
             configured=view.configured,
             reservations=view.reservations,
@@ -778,16 +729,21 @@ class JobWorkflow:
         job.lost_after_s = view.peer_lost_after_s
         job.status.disposition = decision.disposition.value
         job.status.classification_reason = decision.reason
-        self._event(JobState.CLASSIFYING, f"classified {decision.disposition.value}: {decision.reason}")
+        transitions.event(
+            self._ctx, JobState.CLASSIFYING, f"classified {decision.disposition.value}: {decision.reason}"
+        )
         return view, decision
 
     async def _queue(self) -> Placement:
         """QUEUED_HANDOFF until the tick places the job and the CAS promotes it."""
         job = self._job
         await self._enqueue()
-        self._set(JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON)
+        transitions.move(
+            self._ctx, JobState.QUEUED_HANDOFF, queued_for_peer_reason(job.pin) if job.pin else QUEUED_REASON
+        )
         if job.mailbox.explanation is not None:
-            self._set(
+            transitions.move(
+                self._ctx,
                 JobState.QUEUED_HANDOFF,
                 job.mailbox.explanation,
                 code=job.mailbox.explanation_code,
@@ -808,13 +764,15 @@ class JobWorkflow:
             job.queued_since_ms = None  # run at home at once: it never waited in the queue
             return promoted
         job.status.disposition = Disposition.QUEUE.value
-        self._set(
+        transitions.move(
+            self._ctx,
             JobState.QUEUED_HANDOFF,
             f"{QUEUED_REASON} (home filled up since the reports were read)",
             code=ReasonCode.NoCapacity,
         )
         if job.mailbox.explanation is not None:
-            self._set(
+            transitions.move(
+                self._ctx,
                 JobState.QUEUED_HANDOFF,
                 job.mailbox.explanation,
                 code=job.mailbox.explanation_code,
@@ -827,7 +785,7 @@ class JobWorkflow:
         # Set first: if a Temporal cancel interrupts this await after the insert committed, the
         # cancel path must still record the handle's end, or the queue keeps a zombie.
         job.queued = True
-        job.queued_since_ms = self._now_ms()
+        job.queued_since_ms = transitions.now_ms()
         # Shielded: a Temporal cancel must not abandon the insert half-way; the cancel path waits
         # for it and then records the cancel against the handle it wrote.
         shape = job.spec.shape().model_copy(update={"target_cluster": job.pin})
@@ -874,7 +832,7 @@ class JobWorkflow:
             while True:
                 timeout = None
                 if deadline_ms is not None:
-                    timeout = timedelta(milliseconds=max(1, deadline_ms - self._now_ms()))
+                    timeout = timedelta(milliseconds=max(1, deadline_ms - transitions.now_ms()))
                 try:
                     await workflow.wait_condition(
                         lambda: not self._quiet() or self._continue_due(), timeout=timeout
@@ -895,8 +853,8 @@ class JobWorkflow:
                 job.mailbox.expire = False
                 due = "the job has no scheduling deadline"
                 if deadline_ms is not None:
-                    due = f"the job's deadline is {(deadline_ms - self._now_ms()) / 1000:.0f}s away"
-                self._event(job.status.state, f"ignored expiry: {due}")
+                    due = f"the job's deadline is {(deadline_ms - transitions.now_ms()) / 1000:.0f}s away"
+                transitions.event(self._ctx, job.status.state, f"ignored expiry: {due}")
                 if job.mailbox.placement is None:
                     continue
             if job.mailbox.expire:
@@ -910,7 +868,7 @@ class JobWorkflow:
             return placement
 
     def _deadline_passed(self, deadline_ms: int | None) -> bool:
-        return deadline_ms is not None and self._now_ms() >= deadline_ms
+        return deadline_ms is not None and transitions.now_ms() >= deadline_ms
 
     async def _vetted(self, offer: Placement) -> Placement | None:
         """The placement to promote for the ``place`` signal ``offer``: its cluster and backend
@@ -932,7 +890,7 @@ class JobWorkflow:
                 verdict = self._vet(offer, job.view)
         if verdict.placement is None:
             target = f"{offer.peer_id[:80]}/{offer.backend_id[:80] or '-'}"
-            self._event(job.status.state, f"ignored placement {target}: {verdict.refusal}")
+            transitions.event(self._ctx, job.status.state, f"ignored placement {target}: {verdict.refusal}")
             return None
         return verdict.placement
 
@@ -953,7 +911,7 @@ class JobWorkflow:
         job = self._job
         if job.queued_since_ms is None:
             return
-        waited_s = max(0, self._now_ms() - job.queued_since_ms) / 1000
+        waited_s = max(0, transitions.now_ms() - job.queued_since_ms) / 1000
         job.queued_since_ms = None
         workflow.metric_meter().create_histogram_float(
             metrics.QUEUE_WAIT, "From entering the federation queue to a won promotion", "s"
@@ -982,7 +940,9 @@ class JobWorkflow:
         target = f"{placement.peer_id}/{placement.backend_id or '-'}"
         if result.promoted:
             backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
-            self._event(job.status.state, f"promoted to {target}: {placement.reason or 'placed'}")
+            transitions.event(
+                self._ctx, job.status.state, f"promoted to {target}: {placement.reason or 'placed'}"
+            )
             job.promoted = placement.model_copy(update={"backend_id": backend})
             return job.promoted
         handle = result.handle
@@ -992,14 +952,18 @@ class JobWorkflow:
             handle is not None and handle.state is HandleState.UNSCHEDULABLE
         ):
             await self._finish(JobState.UNSCHEDULABLE, DEADLINE_PASSED)
-        self._event(job.status.state, f"promotion to {target} refused: {result.message}")
+        transitions.event(self._ctx, job.status.state, f"promotion to {target} refused: {result.message}")
         if retake:
             # Still parked in the store: back to the queue, where the tick finds it room.
             await self._requeue()
         # Capacity another promotion took first: the job waits for room, as the tick would say.
         code = ReasonCode.NoCapacity if result.outcome is PromoteOutcome.NO_CAPACITY else ReasonCode.Pending
-        self._set(
-            JobState.QUEUED_HANDOFF, f"Waiting for the next tick: {result.message}", code=code, record=False
+        transitions.move(
+            self._ctx,
+            JobState.QUEUED_HANDOFF,
+            f"Waiting for the next tick: {result.message}",
+            code=code,
+            record=False,
         )
         return None
 
@@ -1018,7 +982,11 @@ class JobWorkflow:
             CancelIntentInput(job_id=job.spec.job_id, reason=job.mailbox.cancel.reason),
         )
         if not outcome.won:
-            self._event(JobState.PENDING_HANDOFF, "cancel arrived after promotion; the job is not handed off")
+            transitions.event(
+                self._ctx,
+                JobState.PENDING_HANDOFF,
+                "cancel arrived after promotion; the job is not handed off",
+            )
         await self._finish(JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
 
     # ---- the handoff ----------------------------------------------------------------------
@@ -1071,7 +1039,9 @@ class JobWorkflow:
         job.status.backend_id = backend
         home = job.view is not None and cluster == job.view.home
         prepare = f"Runs at home on {cluster}" if home or not job.queued else f"Promoted to {cluster}"
-        self._set(JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster)
+        transitions.move(
+            self._ctx, JobState.PENDING_HANDOFF, f"{prepare}; preparing the handoff", cluster=cluster
+        )
         await self._verdicts()
         if job.mailbox.cancel is not None:
             await self._cancel_before_handoff()
@@ -1082,9 +1052,9 @@ class JobWorkflow:
             await self._stage_bundle(cluster, bundle)
         launched = await self._launch(view, cluster, backend, bundle)
         if cluster != view.home:
-            self._set(JobState.HANDED_OFF, f"Accepted by {cluster}")
+            transitions.move(self._ctx, JobState.HANDED_OFF, f"Accepted by {cluster}")
         else:
-            self._event(JobState.HANDED_OFF, f"Accepted by the home cluster {cluster}")
+            transitions.event(self._ctx, JobState.HANDED_OFF, f"Accepted by the home cluster {cluster}")
         if job.queued:
             # The cluster's own clock at acceptance: its capacity reports count the job from then.
             await self._handle_state(HandleState.HANDED_OFF, counted_from_ms=launched.created_ms)
@@ -1098,8 +1068,10 @@ class JobWorkflow:
         """The destination checks the job's artifacts in its own store (docs/DESIGN.md,
         "Artifact check"); one it cannot read parks the job."""
         artifacts = self._job.spec.artifacts
-        self._set(
-            JobState.PENDING_HANDOFF, f"Checking {len(artifacts)} artifact(s) in {cluster}'s object store"
+        transitions.move(
+            self._ctx,
+            JobState.PENDING_HANDOFF,
+            f"Checking {len(artifacts)} artifact(s) in {cluster}'s object store",
         )
         why = f"Cannot check artifacts in {cluster}'s object store"
         check = ArtifactInput(cluster=cluster, uris=artifacts)
@@ -1113,13 +1085,15 @@ class JobWorkflow:
     async def _stage_bundle(self, cluster: str, bundle: BundleRef) -> None:
         """BUILDING: the workspace bundle goes to ``cluster`` before the launch (docs/DESIGN.md,
         "Workspace bundles")."""
-        self._set(JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
+        transitions.move(
+            self._ctx, JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}"
+        )
         why = f"Cannot stage the workspace bundle on {cluster}"
         stage = StageInput(cluster=cluster, bundle=bundle)
         step = _Step(_STAGE_TIMEOUT, self._handoff_retry())
         staged = await self._handoff_step(PeerActivities.stage_bundle, stage, step, why)
         done = "uploaded to" if staged.uploaded else "already on"
-        self._event(JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
+        transitions.event(self._ctx, JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
         if self._job.mailbox.cancel is not None:
             await self._cancel_before_handoff()
 
@@ -1133,7 +1107,7 @@ class JobWorkflow:
             await self._verdicts()
             if job.mailbox.cancel is not None:
                 await self._cancel_before_handoff()
-        self._set(JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
+        transitions.move(self._ctx, JobState.PENDING_HANDOFF, f"Awaiting acceptance by {cluster}")
         job.delivered = True
         job.status.handoff_attempts += 1
         await self._clear_stale(cluster)
@@ -1180,7 +1154,9 @@ class JobWorkflow:
             # No answer, but the launch may have landed: the cluster says whether it has the job.
             found = await self._find_attempt(cluster, job.nonce)
             if found.found is AttemptFound.HERE and found.status is not None:
-                self._event(JobState.PENDING_HANDOFF, f"{cluster} has the job although its answer was lost")
+                transitions.event(
+                    self._ctx, JobState.PENDING_HANDOFF, f"{cluster} has the job although its answer was lost"
+                )
                 return found.status
             if found.found is AttemptFound.ABSENT:
                 raise _Parked(
@@ -1236,7 +1212,8 @@ class JobWorkflow:
                 continue
             end = attempt_end(status.state, status.error)
             if end is AttemptEnd.SUCCEEDED:
-                self._event(
+                transitions.event(
+                    self._ctx,
                     job.status.state,
                     f"attempt {earlier.number} succeeded on {cluster} while {cluster} was silent: "
                     "its result stands, and no new run starts",
@@ -1245,7 +1222,8 @@ class JobWorkflow:
                 job.attempt = earlier.number
                 earlier.end = earlier.ended_ms = earlier.reason = None
                 raise _Adopted(cluster, status)
-            self._event(
+            transitions.event(
+                self._ctx,
                 job.status.state,
                 f"attempt {earlier.number} had ended on {cluster} while {cluster} was silent "
                 f"({end.value.lower()})",
@@ -1258,14 +1236,14 @@ class JobWorkflow:
         if attempts and attempts[-1].nonce == job.nonce and attempts[-1].cluster == cluster:
             return
         if attempts and attempts[-1].end is None and attempts[-1].nonce == job.nonce:
-            attempts[-1].end, attempts[-1].ended_ms = "NOT_DELIVERED", self._now_ms()
+            attempts[-1].end, attempts[-1].ended_ms = "NOT_DELIVERED", transitions.now_ms()
         attempts.append(
             AttemptView(
                 number=job.attempt,
                 cluster=cluster,
                 backend_id=backend,
                 nonce=job.nonce,
-                started_ms=self._now_ms(),
+                started_ms=transitions.now_ms(),
             )
         )
 
@@ -1279,7 +1257,7 @@ class JobWorkflow:
         nonce = self._job.nonce
         current = next((a for a in reversed(attempts) if a.nonce == nonce), attempts[-1])
         current.end, current.reason, current.exit_code = end.value, reason, exit_code
-        current.ended_ms = self._now_ms()
+        current.ended_ms = transitions.now_ms()
         if preempted is not None:
             current.preempted = preempted
 
@@ -1320,7 +1298,7 @@ class JobWorkflow:
         not a guess, says whether the job started there (``_Adopted`` if it did)."""
         job = self._job
         if not parked.resumed:
-            self._set(JobState.HANDOFF_FAILED, parked.reason, code=parked.code)
+            transitions.move(self._ctx, JobState.HANDOFF_FAILED, parked.reason, code=parked.code)
             if job.queued:
                 release = self._frees_capacity()
                 await self._handle_state(HandleState.HANDOFF_FAILED, parked.reason, release=release)
@@ -1352,14 +1330,16 @@ class JobWorkflow:
         found = await self._find_attempt(cluster, nonce)
         if found.found is AttemptFound.HERE and found.status is not None:
             job.maybe_on = None
-            self._event(JobState.HANDOFF_FAILED, f"{cluster} answers: it has the job; following it there")
+            transitions.event(
+                self._ctx, JobState.HANDOFF_FAILED, f"{cluster} answers: it has the job; following it there"
+            )
             raise _Adopted(cluster, found.status)
         if found.found is AttemptFound.ABSENT:
             job.maybe_on = None
             reason = (
                 f"Handoff to {cluster} failed after retries; {cluster} confirms it never received the job"
             )
-            self._set(JobState.HANDOFF_FAILED, reason)
+            transitions.move(self._ctx, JobState.HANDOFF_FAILED, reason)
             if job.queued and not job.released and self._frees_capacity():
                 # Known not to run there now: its capacity is freed (PARK_PATCH).
                 await self._handle_state(HandleState.HANDOFF_FAILED, reason, release=True)
@@ -1400,7 +1380,7 @@ class JobWorkflow:
     ) -> tuple[str, str]:
         """Where an operator's replay goes: the same cluster, another one, or back through the queue."""
         job = self._job
-        self._event(JobState.HANDOFF_FAILED, f"operator replay: {replay.describe()}")
+        transitions.event(self._ctx, JobState.HANDOFF_FAILED, f"operator replay: {replay.describe()}")
         if not replay.requeue and (replay.peer is None or replay.peer == cluster):
             if job.released:
                 return await self._retake(view, cluster, backend)
@@ -1408,15 +1388,17 @@ class JobWorkflow:
         if job.maybe_on is not None:
             # Forced past an unknown outcome (the validator refuses it otherwise): whatever that
             # cluster may run of this attempt is terminated there as soon as it answers.
-            self._event(JobState.HANDOFF_FAILED, f"forced: the attempt {cluster} may run is fenced")
+            transitions.event(
+                self._ctx, JobState.HANDOFF_FAILED, f"forced: the attempt {cluster} may run is fenced"
+            )
             await self._fence(*job.maybe_on)
             job.maybe_on = None
         await self._requeue()
         if replay.requeue:
-            self._set(JobState.QUEUED_HANDOFF, QUEUED_REASON)
+            transitions.move(self._ctx, JobState.QUEUED_HANDOFF, QUEUED_REASON)
         else:
             assert replay.peer is not None
-            self._set(JobState.QUEUED_HANDOFF, f"Operator replay to {replay.peer}")
+            transitions.move(self._ctx, JobState.QUEUED_HANDOFF, f"Operator replay to {replay.peer}")
             job.mailbox.placement = Placement(
                 job_id=job.spec.job_id,
                 peer_id=replay.peer,
@@ -1448,7 +1430,7 @@ class JobWorkflow:
             await self._store_step(
                 StoreActivities.requeue_job, ExpireInput(job_id=job.spec.job_id, incarnation=job.incarnation)
             )
-            job.queued_since_ms = self._now_ms()
+            job.queued_since_ms = transitions.now_ms()
         else:
             await self._enqueue()
 
@@ -1501,7 +1483,7 @@ class JobWorkflow:
         # Shown only now: an attempt that is retried never shows the job as ended.
         if last is not None:
             self._apply(last)
-        self._set(final, reason, code=code)
+        transitions.move(self._ctx, final, reason, code=code)
         await self._record_end(None)
         return None
 
@@ -1569,11 +1551,13 @@ class JobWorkflow:
                     if seen is not None and seen.silent_since_ms is not None and not self._ctx.features.wary:
                         # Its silence counts from when the watcher first saw it, not from now.
                         # (SIGNALS_PATCH: from what follow_job measures; a notice is not proof.)
-                        silent_since = min(seen.silent_since_ms, self._now_ms())
+                        silent_since = min(seen.silent_since_ms, transitions.now_ms())
                 ask_now = False
                 # A silence notice, the safety poll, or a reader of the log: ask the cluster, at
                 # once (one answer), or relaying the log every second while a reader wants it.
-                max_wait_s = max(0.0, min(max_wait_s, (job.mailbox.logs_until_ms - self._now_ms()) / 1000))
+                max_wait_s = max(
+                    0.0, min(max_wait_s, (job.mailbox.logs_until_ms - transitions.now_ms()) / 1000)
+                )
             handle = workflow.start_activity_method(
                 PeerActivities.follow_job,
                 FollowInput(
@@ -1598,10 +1582,11 @@ class JobWorkflow:
                     return AttemptEnd.KILLED, f"Killed; {cluster} no longer knows the job", None
                 return AttemptEnd.PREEMPTED, followed.error or f"{cluster} lost the job", None
             if followed.status is None:
-                now = self._now_ms()
+                now = transitions.now_ms()
                 silent_since = silent_since or now - int(followed.unreachable_s * 1000)
                 silent_s = (now - silent_since) / 1000
-                self._set(
+                transitions.move(
+                    self._ctx,
                     job.status.state,
                     f"{cluster} has not answered for {silent_s:.0f}s: {followed.error}",
                     code=ReasonCode.PeerUnreachable,
@@ -1642,13 +1627,22 @@ class JobWorkflow:
         else:
             job.preemptions_retried += 1
         job.attempt += 1
-        self._event(job.status.state, f"attempt {job.attempt - 1} ended ({retry.end.value}): {retry.reason}")
+        transitions.event(
+            self._ctx,
+            job.status.state,
+            f"attempt {job.attempt - 1} ended ({retry.end.value}): {retry.reason}",
+        )
         await self._requeue()
         queued = f"Attempt {job.attempt} queued: attempt {job.attempt - 1} on {cluster}"
         if retry.preempted is not None:
-            self._set(JobState.QUEUED_HANDOFF, f"{queued} was {retry.preempted}", code=ReasonCode.Preempted)
+            transitions.move(
+                self._ctx,
+                JobState.QUEUED_HANDOFF,
+                f"{queued} was {retry.preempted}",
+                code=ReasonCode.Preempted,
+            )
         else:
-            self._set(JobState.QUEUED_HANDOFF, f"{queued} {retry.end.value.lower()}")
+            transitions.move(self._ctx, JobState.QUEUED_HANDOFF, f"{queued} {retry.end.value.lower()}")
         placement = await self._await_promotion()
         return placement.peer_id, placement.backend_id or self._backend_for(view, placement.peer_id)
 
@@ -1670,7 +1664,7 @@ class JobWorkflow:
             if remote.terminal
             else None
         )
-        self._set(state, reason, code=code)
+        transitions.move(self._ctx, state, reason, code=code)
 
     @staticmethod
     def _shown(remote: ControllerJobStatus, cluster: str) -> tuple[JobState, str]:
@@ -1733,7 +1727,9 @@ class JobWorkflow:
                 raise
             self._apply(remote)
         if job.mailbox.cancel is not None and remote.state is ControllerJobState.KILLED:
-            self._set(JobState.KILLED, f"Cancelled on {cluster}: {job.mailbox.cancel.reason}")
+            transitions.move(
+                self._ctx, JobState.KILLED, f"Cancelled on {cluster}: {job.mailbox.cancel.reason}"
+            )
 
     async def _done_before_cancel(self, handle: workflow.ActivityHandle[Any], terminated: bool) -> bool:
         """Wait for the mirroring activity; a cancel the cluster has not been told of yet stops it
@@ -1766,7 +1762,8 @@ class JobWorkflow:
         status = seen.status
         if seen.cluster != cluster or (status is not None and status.nonce != nonce):
             about = f"{status.nonce[:120]!r} ({status.state.value})" if status is not None else "its silence"
-            self._event(
+            transitions.event(
+                self._ctx,
                 job.status.state,
                 f"ignored an observation of {seen.cluster[:80]} about {about}: attempt {job.attempt} "
                 f"is {nonce!r} on {cluster}",
@@ -1800,16 +1797,22 @@ class JobWorkflow:
         except ActivityError as exc:
             if _is_cancellation(exc):
                 raise
-            self._event(
-                job.status.state, f"ignored: {said}, and {cluster} does not confirm it ({exc.cause or exc})"
+            transitions.event(
+                self._ctx,
+                job.status.state,
+                f"ignored: {said}, and {cluster} does not confirm it ({exc.cause or exc})",
             )
             return None
         self._seen(actual)
         if actual.nonce != nonce:
-            self._event(job.status.state, f"ignored: {said}, and {cluster} runs another attempt of the job")
+            transitions.event(
+                self._ctx, job.status.state, f"ignored: {said}, and {cluster} runs another attempt of the job"
+            )
             return None
         if not actual.terminal or actual.state is not claimed.state:
-            self._event(job.status.state, f"ignored: {said}; {cluster} reports {actual.state.value}")
+            transitions.event(
+                self._ctx, job.status.state, f"ignored: {said}; {cluster} reports {actual.state.value}"
+            )
         return actual
 
     def _seen(self, status: ControllerJobStatus) -> None:
@@ -1823,7 +1826,7 @@ class JobWorkflow:
         return (
             job.mailbox.observed is not None
             or self._cancel_unsent(False)
-            or job.mailbox.logs_until_ms > self._now_ms()
+            or job.mailbox.logs_until_ms > transitions.now_ms()
         )
 
     def _mirror_wakeup(self, handle: asyncio.Future[Any], terminated: bool) -> bool:
@@ -1832,7 +1835,7 @@ class JobWorkflow:
     def _report_after(self, report_s: float, silent_since: int | None) -> float:
         if silent_since is None:
             return report_s
-        left = self._job.lost_after_s - (self._now_ms() - silent_since) / 1000
+        left = self._job.lost_after_s - (transitions.now_ms() - silent_since) / 1000
         return max(0.0, min(report_s, left))
 
     def _cancel_unsent(self, terminated: bool) -> bool:
@@ -1844,7 +1847,7 @@ class JobWorkflow:
         never had it): re-driven until then. With a nonce (runs with attempts), a cluster silent
         past peer_lost_after gives up: False, the caller fences the attempt."""
         job = self._job
-        self._event(job.status.state, f"terminating on {cluster}")
+        transitions.event(self._ctx, job.status.state, f"terminating on {cluster}")
         if nonce is None:  # runs begun before attempts: one terminate, retried through outages
             await workflow.execute_activity_method(
                 PeerActivities.terminate_job,
@@ -1896,7 +1899,8 @@ class JobWorkflow:
         except ActivityError as exc:
             if _is_cancellation(exc) or not self._ctx.features.numbered:
                 raise
-            self._event(
+            transitions.event(
+                self._ctx,
                 self._job.status.state,
                 f"{cluster} reported attempt {self._job.attempt} {ended.state.value} but has not "
                 f"answered since ({exc.cause or exc}); its output was not relayed home",
