@@ -32,6 +32,11 @@ EVENTS_HEAD = 20
 EVENTS_TAIL = 200
 
 
+def now_ms() -> int:
+    """Workflow time, in ms since the epoch."""
+    return int(workflow.now().timestamp() * 1000)
+
+
 class Phase(StrEnum):
     """Where the job is in its lifecycle: each phase is one step of workflows/job/steps/, which
     returns the next (workflows/job/transitions.py has the table; docs/DESIGN.md, "Job states").
@@ -224,6 +229,22 @@ def _not_a(exc: ValidationError, what: str) -> str:
     return f"its input is not a job {what}: {where[:80]}: {first['msg'][:120]}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Parking:
+    """A handoff that cannot complete now: the job parks in HANDOFF_FAILED with this reason and code."""
+
+    reason: str
+    code: ReasonCode = ReasonCode.HandoffFailed
+
+
+@dataclasses.dataclass(frozen=True)
+class Adopted:
+    """A cluster answered that it has (or had) the attempt after all: it is followed there."""
+
+    cluster: str
+    remote: ControllerJobStatus
+
+
 @dataclasses.dataclass
 class Ctx:
     """One run's working context: its JobRun, the features this run has (versions.read), and what
@@ -237,3 +258,7 @@ class Ctx:
     launch_op: workflow.ActivityHandle[ControllerJobStatus] | None = None
     verifying: int = 0
     temporal_cancel: bool = False
+    # Why this run's start input is refused (SUBMISSION_PATCH), and whether it is a start that
+    # carries a JobRun without continuing a run.
+    refused_input: str | None = None
+    forged_carry: bool = False

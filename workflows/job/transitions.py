@@ -17,10 +17,12 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from iris import contract
-    from iris.jobs import TERMINAL_STATES, JobEvent, JobState, state_code
+    from iris.controller.models import JobStatus as ControllerJobStatus
+    from iris.jobs import TERMINAL_STATES, JobEvent, JobState, TaskView, end_code, state_code
     from iris.policy.reasons import ReasonCode
 
-from workflows.job.state import Ctx, Phase
+import workflows.job.ends as ends
+from workflows.job.state import Ctx, Phase, now_ms
 
 # The phase machine (docs/DESIGN.md, "Job states": "The phase machine" has the same table, a test
 # holds them equal). Every phase but the end may be cancelled by Temporal itself.
@@ -68,10 +70,6 @@ def may_show(phase: Phase) -> frozenset[JobState]:
     return SHOWS[phase].union(*(SHOWS[n] for n in NEXT[phase]))
 
 
-def now_ms() -> int:
-    return int(workflow.now().timestamp() * 1000)
-
-
 def event(ctx: Ctx, state: JobState, message: str) -> None:
     """One line of the job's story (``iris job describe``), without a move."""
     st = ctx.run.status
@@ -92,6 +90,8 @@ def move(
     iris/jobs.py state_code) beside it, on ``cluster`` if given: its status, an event if anything
     changed (``record``), the search attributes and the memo that changed."""
     run = ctx.run
+    if state not in may_show(run.phase):
+        illegal(f"a move to {state.value} in phase {run.phase.value}: {reason[:200]}")
     st = run.status
     changed = state != st.state or reason != st.reason
     st.state = state
@@ -110,6 +110,25 @@ def move(
         run.memo_reason = reason
         workflow.upsert_memo({contract.MEMO_REASON: reason})
     workflow.set_current_details(f"**{state.value}** — {reason}" if reason else state.value)
+
+
+def mirror(ctx: Ctx, remote: ControllerJobStatus) -> None:
+    """Show the job as its cluster reports its attempt (docs/DESIGN.md, "Mirroring"): its exit code,
+    error, backend and replicas, and the state and reason for them; an end with the attempt's own
+    code (a timeout, a lost worker), a state under way with the state's."""
+    st = ctx.run.status
+    st.exit_code = remote.exit_code
+    st.error = remote.error
+    st.backend_id = remote.backend_id
+    st.tasks = [
+        TaskView(index=t.index, state=t.state.value, exit_code=t.exit_code, slots=t.slots)
+        for t in remote.tasks
+    ]
+    state, reason = ends.shown(remote, st.cluster or "")
+    code = (
+        end_code(remote.state, remote.error, preemption=ctx.features.preemption) if remote.terminal else None
+    )
+    move(ctx, state, reason, code=code)
 
 
 def _upsert_search_attributes(ctx: Ctx, state: JobState, new_peer: str | None) -> None:
