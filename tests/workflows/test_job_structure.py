@@ -70,3 +70,29 @@ def test_only_the_transitions_module_assigns_a_job_state() -> None:
                     if isinstance(sub, ast.Attribute) and sub.attr == "state":
                         writers.add(path.relative_to(JOB).as_posix())
     assert writers == {"transitions.py"}
+
+
+def test_only_the_ends_module_records_an_attempts_end() -> None:
+    """An attempt's ``end`` is written in workflows/job/ends.py only, as an AttemptEnd's value or
+    NOT_DELIVERED."""
+    writers = set()
+    for path in job_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for target in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Attribute) and sub.attr == "end":
+                        writers.add(path.relative_to(JOB).as_posix())
+    assert writers == {"ends.py"}
+
+
+def test_an_attempts_end_reads_back_whatever_a_run_wrote() -> None:
+    from iris.jobs import AttemptEnd, AttemptView
+    from workflows.job.ends import NOT_DELIVERED, ending
+
+    view = AttemptView(number=1, cluster="cw-a", backend_id="b", nonce="n", started_ms=0)
+    assert ending(view) is None
+    for end in AttemptEnd:
+        assert ending(view.model_copy(update={"end": end.value})) is end
+    # Written by runs before and since issue 28 for a launch replaced before it was sent.
+    assert ending(view.model_copy(update={"end": NOT_DELIVERED})) == "NOT_DELIVERED"

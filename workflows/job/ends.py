@@ -109,6 +109,11 @@ def attempt_started(run: JobRun, cluster: str, backend: str) -> None:
     )
 
 
+def reopened(view: AttemptView) -> None:
+    """An earlier attempt adopted as the job's again (steps/launch.py): its end is undone."""
+    view.end = view.ended_ms = view.reason = None
+
+
 def attempt_ended(
     run: JobRun, end: AttemptEnd, reason: str, exit_code: int | None, preempted: str | None = None
 ) -> None:

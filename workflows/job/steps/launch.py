@@ -146,7 +146,7 @@ async def clear_stale(ctx: Ctx, cluster: str) -> Adopted | None:
             )
             # The earlier attempt is the job's again: its output is relayed under its number.
             run.attempt = earlier.number
-            earlier.end = earlier.ended_ms = earlier.reason = None
+            ends.reopened(earlier)
             return Adopted(cluster, status)
         transitions.event(
             ctx,
