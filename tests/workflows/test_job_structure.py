@@ -6,7 +6,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "workflows" / "job"
+WORKFLOWS = ROOT / "workflows"
+JOB = WORKFLOWS / "job"
 
 
 def job_modules() -> list[Path]:
@@ -96,3 +97,54 @@ def test_an_attempts_end_reads_back_whatever_a_run_wrote() -> None:
         assert ending(view.model_copy(update={"end": end.value})) is end
     # Written by runs before and since issue 28 for a launch replaced before it was sent.
     assert ending(view.model_copy(update={"end": NOT_DELIVERED})) == "NOT_DELIVERED"
+
+
+# Acceptance 1 of issue 28: the workflows read by state, in small pieces.
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 50
+
+
+def test_no_workflow_module_is_longer_than_400_lines() -> None:
+    lengths = {
+        p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in WORKFLOWS.rglob("*.py")
+    }
+    assert {p: n for p, n in lengths.items() if n > MAX_FILE_LINES} == {}
+
+
+def long_functions(source: str) -> dict[str, int]:
+    """The functions and methods of ``source`` longer than MAX_FUNCTION_LINES, decorators and
+    docstring included, with their lengths."""
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            assert node.end_lineno is not None
+            if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                found[node.name] = node.end_lineno - start + 1
+    return found
+
+
+def test_no_workflow_function_is_longer_than_50_lines() -> None:
+    long = {p.relative_to(ROOT).as_posix(): long_functions(p.read_text()) for p in WORKFLOWS.rglob("*.py")}
+    assert {p: f for p, f in long.items() if f} == {}
+
+
+def test_the_size_check_sees_a_long_function() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"@decorated\ndef f() -> None:\n{body}\n") == {"f": MAX_FUNCTION_LINES + 2}
+    assert long_functions(f"def f() -> None:\n{body[: body.rindex(chr(10))]}\n") == {}
+
+
+def test_no_exception_steers_the_lifecycle() -> None:
+    """No private exception class (``_Ended``, ``_Parked``, ``_Adopted`` before issue 28) is
+    raised anywhere under workflows/, and the Carry is gone."""
+    for path in WORKFLOWS.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        raised = [
+            ast.unparse(n.exc)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Raise) and n.exc is not None and ast.unparse(n.exc).startswith("_")
+        ]
+        assert raised == [], path
+        classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        assert not classes & {"Carry", "_Ended", "_Parked", "_Adopted", "_Job"}, path
