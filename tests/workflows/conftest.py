@@ -20,7 +20,7 @@ production ``JobWorkflow`` with the worker's sandbox runner, and a ``FakeFederat
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from temporalio.testing import WorkflowEnvironment
 from iris import devstack
 from iris.contract import SEARCH_ATTRIBUTE_KEYS
 from iris.temporal import data_converter
+from workflows.job import transitions
 
 
 def java_test_server() -> Path:
@@ -98,3 +99,14 @@ async def dev_fed(dev_env: WorkflowEnvironment) -> AsyncIterator[Federation]:
     """The fake federation on the dev server."""
     async for f in running_federation(dev_env):
         yield f
+
+
+@pytest.fixture(autouse=True)
+def phase_table_kept(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every move and step of the job workflow against its phase table (workflows/job/transitions.py,
+    docs/DESIGN.md "The phase machine"): production only logs one the table does not allow; every
+    test here fails on it."""
+    found: list[str] = []
+    monkeypatch.setattr(transitions, "illegal", found.append)
+    yield found
+    assert found == [], f"moves or steps the phase table does not allow: {found}"
