@@ -53,7 +53,7 @@ class Phase(StrEnum):
     # Parked in HANDOFF_FAILED, waiting for an operator's replay or a cancel.
     PARKED = "parked"
     # A cancel to carry out where the job is (a signal, the Update, or Temporal's own).
-    CANCEL = "cancel"
+    CANCEL = "cancelling"
     # The job has reached its final state (recorded): ``run`` returns it.
     ENDED = "ended"
 
@@ -183,7 +183,9 @@ def handover(run: JobRun) -> JobRun:
             message=f"({dropped} events omitted)",
         )
         st.events = [*st.events[:EVENTS_HEAD], marker, *st.events[-EVENTS_TAIL:]]
-    return run.model_copy(update={"status": st})
+    handed = run.model_copy()
+    handed.status = st
+    return handed
 
 
 def read_inputs(inputs: tuple[Any, ...]) -> tuple[JobSpec | None, JobRun | None, str | None]:
@@ -199,28 +201,24 @@ def read_inputs(inputs: tuple[Any, ...]) -> tuple[JobSpec | None, JobRun | None,
         try:
             if index == 0:
                 spec = JobSpec.model_validate(value)
+            elif isinstance(value, dict) and "mailbox" not in value:
+                run = _from_carry(value, spec)
             elif value is not None:
-                run = JobRun.model_validate(
-                    {**_from_carry(value), "spec": spec} if isinstance(value, dict) else value
-                )
+                run = JobRun.model_validate({**value, "spec": spec} if isinstance(value, dict) else value)
         except ValidationError as exc:
             return None, None, _not_a(exc, "spec" if index == 0 else "carry")
     return spec, run, None
 
 
-def _from_carry(data: dict[str, Any]) -> dict[str, Any]:
-    """A JobRun's payload as is; a Carry's (before JobRun) as a JobRun's: the mailbox's fields were
-    at its top level, and it had no ``delivered`` (a job was delivered if it was not in the queue,
-    or had had a launch)."""
-    if "mailbox" in data:
-        return data
+def _from_carry(data: dict[str, Any], spec: JobSpec | None) -> JobRun:
+    """A Carry (before JobRun) as a JobRun: the mailbox's fields were at its top level, and it had
+    no ``delivered`` (a job was delivered if it was not in the queue, or had had a launch)."""
     data = dict(data)
     data["mailbox"] = {key: data.pop(key) for key in _CARRIED_MAIL if key in data}
+    run = JobRun.model_validate({**data, "spec": spec})
     if "delivered" not in data:
-        status = data.get("status")
-        launched = isinstance(status, dict) and bool(status.get("handoff_attempts"))
-        data["delivered"] = data.get("phase") != Phase.QUEUED.value or launched
-    return data
+        run.delivered = run.phase is not Phase.QUEUED or run.status.handoff_attempts > 0
+    return run
 
 
 def _not_a(exc: ValidationError, what: str) -> str:
