@@ -95,8 +95,14 @@ class StubPeer:
         gpu = BackendReport(
             backend_id=BACKEND,
             advertised_attributes={"device-type": ["gpu"], "device-variant": ["h100"]},
+            # Room for every iteration's 8 chips: a placement is vetted and reserved through the
+            # CAS against this report (docs/DESIGN.md, "Messages taken on trust"), so a full backend
+            # would refuse every promotion and the race would never reach a launch. Home has no
+            # GPU, so each job still waits in the queue for the race's own placement.
             availability=Availability(
-                observation_epoch_ms=now, amounts={"h100": 0}, total_amounts={"h100": 8}
+                observation_epoch_ms=now,
+                amounts={"h100": 8 * ITERATIONS},
+                total_amounts={"h100": 8 * ITERATIONS},
             ),
         )
         cpu = BackendReport(backend_id="cpu", advertised_attributes={"device-type": ["cpu"]})
@@ -212,6 +218,10 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[StubRace]:
     store = FederationStore(f"sqlite:///{tmp_path / 'federation.db'}")
     peer = StubPeer(rng, milestones)
     queue = JitteredStore(store, task_queue, rng, milestones)
+    # The CAS reserves against the reports the store holds (as the placement tick saves them): the
+    # stub peer's, with room for every iteration.
+    store.save_reports(list((await peer.fetch_reports()).reports))
+    peer.reports_started.clear()  # set by the workflows' own reads from here on
     stack.add_user(RACER, ["user"])
     auth = AuthActivities(stack.config)
     worker = Worker(

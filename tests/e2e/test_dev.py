@@ -177,15 +177,29 @@ UV = shutil.which("uv")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+async def _started_pty_dev(tmp_path: Path, tries: int = 3) -> tuple[FederationConfig, PtyDev]:
+    """`iris dev` started on free ports; again on fresh ones when another test process took one
+    of them between its choice and the bind (iris dev then stops with "Address already in use")."""
+    for attempt in range(1, tries + 1):
+        cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
+        config_file = tmp_path / f"dev-config-{attempt}.json"
+        config_file.write_text(cfg.model_dump_json())
+        dev = PtyDev(config_file, tmp_path / f"data-{attempt}")
+        try:
+            await dev.start()
+        except AssertionError as exc:
+            if attempt == tries or "Address already in use" not in str(exc):
+                raise
+            continue
+        return cfg, dev
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.skipif(UV is None, reason="uv is not on PATH (the README's commands need it)")
 @pytest.mark.parametrize("interrupt", ["two-ctrl-c", "group-sigint"])
 @pytest.mark.timeout(300)
 async def test_iris_dev_leaves_nothing_behind_whatever_signals_arrive(tmp_path: Path, interrupt: str) -> None:
-    cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
-    config_file = tmp_path / "dev-config.json"
-    config_file.write_text(cfg.model_dump_json())
-    dev = PtyDev(config_file, tmp_path / "data")
-    await dev.start()
+    cfg, dev = await _started_pty_dev(tmp_path)
     assert _pids_mentioning(str(tmp_path))  # its services run (their command lines name the data dir)
     assert dev.proc is not None
     if interrupt == "two-ctrl-c":
