@@ -608,11 +608,7 @@ async def start_slurm(root: Path) -> Any:
     spec = slurmdev.spec_for(load_config(PROJECT_ROOT / "config" / "clusters-slurm.toml"))
     assert spec is not None
     slurm = slurmdev.SlurmCluster(spec, root / "slurm")
-    try:
-        await asyncio.to_thread(slurm.start)
-    except BaseException:
-        await asyncio.to_thread(slurm.stop)
-        raise
+    await asyncio.to_thread(slurm.start)  # stops what it started if it fails
     print(f"[{time.strftime('%X')}] Slurm up: {slurm.address}", flush=True)
     return slurm
 

@@ -317,7 +317,15 @@ class SlurmCluster:
         return self.node_state() in ("idle", "mixed", "allocated")
 
     def start(self, timeout: float = 60.0) -> None:
-        """Start munged, slurmctld, and slurmd once slurmctld answers; return when the node is up."""
+        """Start munged, slurmctld, and slurmd once slurmctld answers; return when the node is up.
+        A start that fails (or is interrupted) stops whatever of it had started before raising."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
         self.write()
         socket = self.runtime / "munge.socket"
         self.munged = self._process(

@@ -293,11 +293,7 @@ async def start_stack(root: Path, options: Options) -> ChaosStack:
         spec = slurmdev.spec_for(cfg)
         assert spec is not None
         slurm = slurmdev.SlurmCluster(spec, root / "slurm")
-        try:
-            await asyncio.to_thread(slurm.start)
-        except BaseException:
-            await asyncio.to_thread(slurm.stop)
-            raise
+        await asyncio.to_thread(slurm.start)  # stops what it started if it fails
         slurmdev.point_at(cfg, slurm)
     config_file = root / "clusters.json"
     # The run's user signs its submissions and cancels (docs/DESIGN.md, "User → home").

@@ -76,6 +76,18 @@ def _target(peer: str | None, backend: str | None) -> str:
     return f"{peer}/{backend or '-'}"
 
 
+def _promoted_message(
+    verb: str, placement: Placement, reservation: Reservation | None, observation: int | None
+) -> str:
+    """``promoted to cw-a/h100-a; reserved 8 h100 of observation 123`` (``verb``: "promoted to" or
+    "retaken on"), or what a shape-only placement took: nothing."""
+    target = _target(placement.peer_id, placement.backend_id)
+    if reservation is None:
+        return f"{verb} {target} (shape-only; nothing reserved)"
+    amounts = ", ".join(f"{n} {t}" for t, n in sorted(reservation.amounts.items()))
+    return f"{verb} {target}; reserved {amounts} of observation {observation}"
+
+
 class FederationStore:
     """Durable state shared by every worker; synchronous (run methods in a thread from asyncio).
 
@@ -390,12 +402,7 @@ class FederationStore:
                 }
             )
             _write_handle(conn, promoted)
-            target = _target(placement.peer_id, placement.backend_id)
-            if reservation is None:
-                message = f"promoted to {target} (shape-only; nothing reserved)"
-            else:
-                amounts = ", ".join(f"{n} {t}" for t, n in sorted(reservation.amounts.items()))
-                message = f"promoted to {target}; reserved {amounts} of observation {observation}"
+            message = _promoted_message("promoted to", placement, reservation, observation)
             return PromoteResult(
                 outcome=PromoteOutcome.PROMOTED, message=message, handle=promoted, reservation=reservation
             )
@@ -437,12 +444,7 @@ class FederationStore:
             }
         )
         _write_handle(conn, promoted)
-        target = _target(placement.peer_id, placement.backend_id)
-        if reservation is None:
-            message = f"retaken on {target} (shape-only; nothing reserved)"
-        else:
-            amounts = ", ".join(f"{n} {t}" for t, n in sorted(reservation.amounts.items()))
-            message = f"retaken on {target}; reserved {amounts} of observation {observation}"
+        message = _promoted_message("retaken on", placement, reservation, observation)
         return PromoteResult(
             outcome=PromoteOutcome.PROMOTED, message=message, handle=promoted, reservation=reservation
         )
