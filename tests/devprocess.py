@@ -50,11 +50,12 @@ class DevProcess:
         self.output.append(rest.decode())
         return await asyncio.wait_for(self.proc.wait(), 30)
 
-    async def iris(self, *args: str) -> tuple[int, str, str]:
-        """Another `iris` command against it: exit code, stdout, stderr."""
+    async def iris(self, *args: str, cwd: Path | None = None) -> tuple[int, str, str]:
+        """Another `iris` command against it (in ``cwd``, the workspace a job run ships): exit code,
+        stdout, stderr."""
         proc = await asyncio.create_subprocess_exec(
             str(VENV_BIN / "iris"), *args,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd,
             env={**self.env, "IRIS_CONFIG": str(self.config_file)},
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 150)

@@ -5,14 +5,13 @@ sandbox (docs/SECURITY.md, "The job sandbox")."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 from devprocess import DevProcess
-from stack import VENV_BIN, free_port_config
+from stack import free_port_config
 
 from iris import devstack
 from iris.config import PROJECT_ROOT, load_config
@@ -23,16 +22,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the README's examples as root"),
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
 ]
-
-
-async def _iris(dev: DevProcess, *args: str, cwd: Path) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "iris"), *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd,
-        env={**dev.env, "IRIS_CONFIG": str(dev.config_file)},
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 150)
-    return proc.returncode or 0, out.decode(), err.decode()
 
 
 @pytest.mark.timeout(400)
@@ -54,20 +43,19 @@ async def test_the_seed_example_runs_sandboxed_as_a_pool_uid(tmp_path: Path) -> 
     )
     await dev.start()
     try:
-        code, out, err = await _iris(
-            dev, "job", "run", "--device-type=h100", "--gpu-count=8", "my_training_script.py", cwd=SEED
+        code, out, err = await dev.iris(
+            "job", "run", "--device-type=h100", "--gpu-count=8", "my_training_script.py", cwd=SEED
         )
         assert code == 0, err
         assert "step 3: loss" in out and "trained on cw-" in out, (out, err)
-        code, out, err = await _iris(
-            dev, "job", "run", "--job-name", "whoami", "--", "python", "-c",
+        code, out, err = await dev.iris("job", "run", "--job-name", "whoami", "--", "python", "-c",
             "import os, sys; print('uid', os.getuid(), sys.executable)", cwd=tmp_path,
         )  # fmt: skip
         assert code == 0, err
         uid = int(out.split("uid ", 1)[1].split()[0])
         pool = cfg.home_cluster.sandbox_uid_range
         assert uid != 0 and uid in pool, out
-        code, out, err = await _iris(dev, "peers", cwd=tmp_path)
+        code, out, err = await dev.iris("peers", cwd=tmp_path)
         assert code == 0, err
         lines = out.splitlines()
         assert lines[0].split()[-1] == "SANDBOX", out

@@ -5,12 +5,11 @@ Ctrl-C nothing of that Slurm is left."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 from devprocess import DevProcess
-from stack import VENV_BIN, free_port_config
+from stack import free_port_config
 
 from iris import devstack, slurmdev
 from iris.config import PROJECT_ROOT, load_config
@@ -18,16 +17,6 @@ from iris.config import PROJECT_ROOT, load_config
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("slurm"), pytest.mark.timeout(400)]
 
 SEED = PROJECT_ROOT / "examples" / "seed"
-
-
-async def _iris(dev: DevProcess, *args: str, cwd: Path) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "iris"), *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=cwd,
-        env={**dev.env, "IRIS_CONFIG": str(dev.config_file)},
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 150)
-    return proc.returncode or 0, out.decode(), err.decode()
 
 
 def _processes_naming(text: str) -> list[int]:
@@ -69,14 +58,14 @@ async def test_iris_dev_backend_slurm_runs_the_seed_example_on_its_own_slurm(tmp
         printed = "".join(dev.output)
         assert "Slurm" in printed and "slurmctld 127.0.0.1:" in printed, printed
         conf = next(data.glob("clusters-slurm.json"))
-        code, out, err = await _iris(
-            dev, "job", "run", "--device-type=h100", "--gpu-count=8", "my_training_script.py", cwd=SEED
+        code, out, err = await dev.iris(
+            "job", "run", "--device-type=h100", "--gpu-count=8", "my_training_script.py", cwd=SEED
         )
         assert code == 0, err
         assert "step 3: loss" in out, (out, err)
         line = next(x for x in out.splitlines() if x.startswith("trained on cw-"))
         assert len(line.rsplit("devices ", 1)[1].rstrip(")").split(",")) == 8, line
-        code, out, err = await _iris(dev, "peers", cwd=tmp_path)
+        code, out, err = await dev.iris("peers", cwd=tmp_path)
         assert code == 0, err
         slurm_rows = [row for row in out.splitlines() if "h100" in row]
         assert len(slurm_rows) == 2 and all(
