@@ -268,25 +268,19 @@ def start_follow(
 async def confirm_end(ctx: Ctx, cluster: str) -> ControllerJobStatus:
     """The job as its cluster has it now (its output relayed home if it ended), to confirm an end
     a watcher reported; not longer than peer_lost_after (a silence is then follow_job's to judge)."""
-    run = ctx.run
-    return await workflow.execute_activity_method(
-        PeerActivities.mirror_job,
-        MirrorInput(
-            cluster=cluster,
-            job_id=run.spec.job_id,
-            known_state=None,
-            log_key=log_key(run.spec.job_id, run.attempt),
-        ),
-        start_to_close_timeout=QUICK,
-        schedule_to_close_timeout=timedelta(seconds=min(run.lost_after_s, 120.0)),
-        retry_policy=MIRROR_RETRY,
-    )
+    return await _mirror_now(ctx, cluster, timedelta(seconds=min(ctx.run.lost_after_s, 120.0)))
 
 
 async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
     """The job as its cluster has it now, with its output relayed home if it has ended. With
     attempts, a cluster silent for peer_lost_after fails it (an ActivityError that is not a
     cancellation): the caller decides what the silence means."""
+    within = timedelta(seconds=ctx.run.lost_after_s) if ctx.features.numbered else None
+    return await _mirror_now(ctx, cluster, within)
+
+
+async def _mirror_now(ctx: Ctx, cluster: str, within: timedelta | None) -> ControllerJobStatus:
+    """One mirror_job read of the run's attempt on ``cluster``, retried for at most ``within``."""
     run = ctx.run
     return await workflow.execute_activity_method(
         PeerActivities.mirror_job,
@@ -297,7 +291,7 @@ async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
             log_key=log_key(run.spec.job_id, run.attempt),
         ),
         start_to_close_timeout=QUICK,
-        schedule_to_close_timeout=timedelta(seconds=run.lost_after_s) if ctx.features.numbered else None,
+        schedule_to_close_timeout=within,
         retry_policy=MIRROR_RETRY,
     )
 
