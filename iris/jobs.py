@@ -204,6 +204,10 @@ class AttemptEnd(StrEnum):
     # for a higher band (PREEMPTED, docs/DESIGN.md, "Preemption"): retried under
     # --max-retries-preemption.
     PREEMPTED = "PREEMPTED"
+    # Never sent: its launch was replaced, before it went out, by a later launch of the same nonce on
+    # another cluster (an operator's replay elsewhere). It never ran, so it spends no budget, and it
+    # never ends a job (the replacing launch goes on).
+    NOT_DELIVERED = "NOT_DELIVERED"
 
     @property
     def retryable(self) -> bool:
@@ -222,6 +226,7 @@ _END_CODES: Mapping[AttemptEnd, ReasonCode] = MappingProxyType(
         AttemptEnd.TIMEOUT: ReasonCode.Timeout,
         AttemptEnd.KILLED: ReasonCode.Cancelled,
         AttemptEnd.PREEMPTED: ReasonCode.PeerLost,
+        AttemptEnd.NOT_DELIVERED: ReasonCode.HandoffFailed,
     }
 )
 
@@ -255,8 +260,8 @@ class AttemptView(BaseModel):
     nonce: str
     started_ms: int
     ended_ms: int | None = None
-    # How it ended (an AttemptEnd), with the cluster's exit code and reason.
-    end: str | None = None
+    # How it ended (None while it runs), with the cluster's exit code and reason.
+    end: AttemptEnd | None = None
     exit_code: int | None = None
     reason: str | None = None
     # For an attempt its cluster preempted for a higher band: the cluster's word on it,

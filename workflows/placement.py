@@ -33,8 +33,8 @@ with workflow.unsafe.imports_passed_through():
     from iris import contract
     from iris.policy.queue import DryRun
 
-# A tick that hit the per-peer cap with jobs left waiting is followed at once by another.
-RETICK_PATCH = "retick-when-saturated-v1"
+import workflows.versions as versions
+
 TICK_HEARTBEAT_TIMEOUT = timedelta(seconds=5)
 INQUIRY_TIMEOUT = timedelta(seconds=20)
 # A run that answered inquiries continues as new once its history is this large, whatever its tick
@@ -126,7 +126,7 @@ class PlacementManager:
                 self._failures += 1
                 workflow.logger.warning("placement tick failed: %s", exc.cause or exc)
             self._ticks += 1
-            if self._last is not None and self._last.saturated and workflow.patched(RETICK_PATCH):
+            if self._last is not None and self._last.saturated and versions.retick_when_saturated():
                 continue
             with contextlib.suppress(TimeoutError):
                 # Enough inquiries end the wait too: the run continues as new without waiting for

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = ROOT / "workflows"
@@ -25,8 +29,8 @@ def calls_of(tree: ast.AST, attr: str) -> list[int]:
 
 def test_only_the_versions_module_asks_a_patch() -> None:
     askers = {
-        path.relative_to(JOB).as_posix()
-        for path in job_modules()
+        path.relative_to(WORKFLOWS).as_posix()
+        for path in sorted(WORKFLOWS.rglob("*.py"))
         if calls_of(ast.parse(path.read_text()), "patched")
     }
     assert askers == {"versions.py"}
@@ -88,15 +92,20 @@ def test_only_the_ends_module_records_an_attempts_end() -> None:
 
 
 def test_an_attempts_end_reads_back_whatever_a_run_wrote() -> None:
+    """Every string a run has written as an attempt's end (NOT_DELIVERED included, written before
+    it was an AttemptEnd) reads back as its AttemptEnd, and is written back as the same string, so
+    recorded histories replay; any other string is refused (issue 28)."""
     from iris.jobs import AttemptEnd, AttemptView
-    from workflows.job.ends import NOT_DELIVERED, ending
+    from workflows.job.ends import ending
 
-    view = AttemptView(number=1, cluster="cw-a", backend_id="b", nonce="n", started_ms=0)
-    assert ending(view) is None
-    for end in AttemptEnd:
-        assert ending(view.model_copy(update={"end": end.value})) is end
-    # Written by runs before and since issue 28 for a launch replaced before it was sent.
-    assert ending(view.model_copy(update={"end": NOT_DELIVERED})) == "NOT_DELIVERED"
+    base = {"number": 1, "cluster": "cw-a", "backend_id": "b", "nonce": "n", "started_ms": 0}
+    assert ending(AttemptView.model_validate(base)) is None
+    for word in ("SUCCEEDED", "FAILED", "TIMEOUT", "KILLED", "PREEMPTED", "NOT_DELIVERED"):
+        view = AttemptView.model_validate_json(json.dumps({**base, "end": word}))
+        assert ending(view) is AttemptEnd(word)
+        assert json.loads(view.model_dump_json())["end"] == word
+    with pytest.raises(ValidationError):
+        AttemptView.model_validate({**base, "end": "LOST"})
 
 
 # Acceptance 1 of issue 28: the workflows read by state, in small pieces.

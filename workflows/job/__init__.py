@@ -23,7 +23,8 @@ from workflows.job.effects import HANDOFF_RETRY as _HANDOFF_RETRY
 from workflows.job.effects import PROBE_FIRST as _PROBE_FIRST
 from workflows.job.effects import PROBE_MAX as _PROBE_MAX
 from workflows.job.steps.cancel import CANCELLED_WHILE_PARKED
-from workflows.job.versions import (
+from workflows.job.workflow import JobWorkflow
+from workflows.versions import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
     BUNDLE_PATCH,
@@ -41,7 +42,6 @@ from workflows.job.versions import (
     TERMINAL_LAUNCH_PATCH,
     TIMERS_PATCH,
 )
-from workflows.job.workflow import JobWorkflow
 
 __all__ = (
     "ATTEMPTS_PATCH",

@@ -3,8 +3,9 @@ the workflow maps its cluster's word on an attempt (a ``ControllerJobState``) to
 (``AttemptEnd``), to the job's state and reason, to the retry budget the end draws on and to the
 job's final state; iris/jobs.py holds the mappings between the three vocabularies it builds on.
 
-An attempt's end is recorded as an ``AttemptEnd`` value, or ``NOT_DELIVERED`` for an attempt whose
-launch was replaced before it was sent (``attempt_started``); ``ending`` reads any value back.
+An attempt's end is recorded as an ``AttemptEnd``: ``NOT_DELIVERED`` for an attempt whose launch
+was replaced before it was sent (``attempt_started``). A run's history holds the value's string, as
+before the enum had that member, so every recorded history reads back alike.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ with workflow.unsafe.imports_passed_through():
 
 from workflows.job.state import JobRun, now_ms
 
-# An attempt whose record was replaced, before its launch was sent, by a later launch of the same
-# nonce on another cluster (an operator's replay elsewhere): not an AttemptEnd, as it never ran.
-NOT_DELIVERED = "NOT_DELIVERED"
 # The job's state when its attempt ends so with no retry (every other end is FAILED).
 _FINAL: Mapping[AttemptEnd, JobState] = MappingProxyType(
     {AttemptEnd.SUCCEEDED: JobState.SUCCEEDED, AttemptEnd.KILLED: JobState.KILLED}
@@ -34,15 +32,9 @@ _FLAGS: Mapping[AttemptEnd, str] = MappingProxyType(
 )
 
 
-def ending(view: AttemptView) -> AttemptEnd | str | None:
-    """How a recorded attempt ended: an AttemptEnd, NOT_DELIVERED, or None while it runs (any
-    other string an older run wrote is returned as it is)."""
-    if view.end is None:
-        return None
-    try:
-        return AttemptEnd(view.end)
-    except ValueError:
-        return view.end
+def ending(view: AttemptView) -> AttemptEnd | None:
+    """How a recorded attempt ended, or None while it runs."""
+    return view.end
 
 
 def end_of(remote: ControllerJobStatus) -> AttemptEnd:
@@ -101,7 +93,7 @@ def attempt_started(run: JobRun, cluster: str, backend: str) -> None:
     if attempts and attempts[-1].nonce == run.nonce and attempts[-1].cluster == cluster:
         return
     if attempts and attempts[-1].end is None and attempts[-1].nonce == run.nonce:
-        attempts[-1].end, attempts[-1].ended_ms = NOT_DELIVERED, now_ms()
+        attempts[-1].end, attempts[-1].ended_ms = AttemptEnd.NOT_DELIVERED, now_ms()
     attempts.append(
         AttemptView(
             number=run.attempt, cluster=cluster, backend_id=backend, nonce=run.nonce, started_ms=now_ms()
@@ -123,7 +115,7 @@ def attempt_ended(
         return
     nonce = run.nonce
     current = next((a for a in reversed(attempts) if a.nonce == nonce), attempts[-1])
-    current.end, current.reason, current.exit_code = end.value, reason, exit_code
+    current.end, current.reason, current.exit_code = end, reason, exit_code
     current.ended_ms = now_ms()
     if preempted is not None:
         current.preempted = preempted

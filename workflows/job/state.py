@@ -25,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
     from iris.reports import FederationView
     from iris.store.models import JobHandle
 
-from workflows.job.versions import Features
+from workflows.versions import Features
 
 # The job's own event list (the status query's) keeps its first and latest events across runs.
 EVENTS_HEAD = 20

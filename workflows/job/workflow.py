@@ -1,7 +1,7 @@
 """JobWorkflow: one durable workflow per job (docs/DESIGN.md, "Data flow" and "Job states").
 
 The shell: the inputs read into one JobRun (workflows/job/state.py), the patches read once
-(workflows/job/versions.py), the message handlers, which only write the run's mailbox
+(workflows/versions.py), the message handlers, which only write the run's mailbox
 (workflows/job/messages.py), and ``run``: one loop over the phases, each a step of
 workflows/job/steps/ that returns the next (the table: workflows/job/transitions.py), until the
 job has ended. A run that continued as new enters the same loop at its phase. A Temporal cancel of
@@ -29,7 +29,7 @@ with workflow.unsafe.imports_passed_through():
 import workflows.job.effects as effects
 import workflows.job.messages as messages
 import workflows.job.transitions as transitions
-import workflows.job.versions as versions
+import workflows.versions as versions
 from workflows.job.state import Ctx, Phase, new_run, read_inputs
 from workflows.job.steps import cancel, classify, follow, handoff, parked, queue
 

@@ -17,7 +17,7 @@ with workflow.unsafe.imports_passed_through():
 
 import workflows.job.effects as effects
 import workflows.job.transitions as transitions
-import workflows.job.versions as versions
+import workflows.versions as versions
 from workflows.job.state import Ctx, Phase, now_ms
 from workflows.job.steps import common, queue
 

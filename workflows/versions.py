@@ -1,5 +1,5 @@
-"""Every patch of JobWorkflow (docs/DESIGN.md, "Determinism check"), and the one place that asks
-``workflow.patched``.
+"""Every patch of the workflows (docs/DESIGN.md, "Determinism check"), and the one place that asks
+``workflow.patched``: JobWorkflow's, then the PlacementManager's (``retick_when_saturated``).
 
 A patch records a marker the first time a run asks it, and a replay expects that marker where the
 run first asked: the moment of each question is part of the history. ``read`` asks the patches of
@@ -202,3 +202,13 @@ def asks_earlier_attempt() -> bool:
     """EARLIER_ATTEMPT_PATCH: asked (by a run that numbers attempts) before a later attempt's
     launch, for each earlier attempt its cluster lost."""
     return workflow.patched(EARLIER_ATTEMPT_PATCH)
+
+
+# The PlacementManager's one patch: a tick that hit the per-peer cap with jobs left waiting is
+# followed at once by another (a manager begun before it waits for the interval, as before).
+RETICK_PATCH = "retick-when-saturated-v1"
+
+
+def retick_when_saturated() -> bool:
+    """RETICK_PATCH: asked by the manager after each saturated tick, not before."""
+    return workflow.patched(RETICK_PATCH)
