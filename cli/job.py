@@ -164,10 +164,10 @@ def run_command(
         typer.Option(
             "--max-retries-preemption",
             metavar="N",
-            help="Run the job again, up to N more times, after an attempt its cluster lost or took "
-            "back: the task died with its worker (WORKER_FAILED), the cluster forgot it or was silent "
-            "past its peer_lost_after_s, or a higher-band job preempted it (PREEMPTED) "
-            f"(0-{MAX_RETRIES}).",
+            help="Run the job again, up to N more times, after an attempt its cluster lost: the task "
+            "died with its worker (WORKER_FAILED), or the cluster forgot it or was silent past its "
+            "peer_lost_after_s. An attempt a higher-band job preempted is always queued again and "
+            f"spends nothing (0-{MAX_RETRIES}).",
         ),
     ] = 1,
     timeout: Annotated[

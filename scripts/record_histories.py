@@ -410,6 +410,28 @@ async def preempted_requeued(stack: Stack) -> str:
     return job_id
 
 
+async def preempted_past_budget_requeued(stack: Stack) -> str:
+    """REQUEUE_PATCH: a batch job with no retry left for a lost attempt (--max-retries-preemption 0)
+    is preempted on cw-rno2a by an interactive job placed there by reclaim: it is queued again
+    without spending a budget (before the patch it ended FAILED, Preempted), and its second attempt
+    succeeds."""
+    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "preempted-past-budget"
+    job_id = await _submit(
+        stack,
+        "preempted-past-budget",
+        ["sh", "-c", f"test -e {marker} && exit 0; touch {marker}; sleep 120"],
+        priority="batch",
+        target_cluster="cw-rno2a",
+        max_retries_preemption=0,
+        **H100,
+    )
+    await _state(stack, job_id, JobState.RUNNING)
+    await _submit(stack, "preempting-past-budget", ["sleep", "2"], target_cluster="cw-rno2a", **H100)
+    status = await _state(stack, job_id, JobState.SUCCEEDED, within=180)
+    assert [a.end for a in status.attempts] == ["PREEMPTED", "SUCCEEDED"], status.attempts
+    return job_id
+
+
 async def launch_unanswered_adopted(stack: Stack) -> str:
     """TIMERS_PATCH: the launch reaches cw-rno2a, whose answer is cut and which then refuses every
     connection: the launch's retries (on the stack's configured schedule) and the reconciliation go
@@ -595,6 +617,7 @@ SCENARIOS = [
     Scenario("explained_then_cancelled", explained_then_cancelled),
     Scenario("explained_then_run", explained_then_run, alone=True),
     Scenario("preempted_requeued", preempted_requeued, alone=True),
+    Scenario("preempted_past_budget_requeued", preempted_past_budget_requeued, alone=True),
     Scenario("launch_unanswered_adopted", launch_unanswered_adopted, alone=True),
     Scenario("forged_place_and_expire_ignored", forged_place_and_expire_ignored),
     Scenario("forged_observe_ignored", forged_observe_ignored),

@@ -102,6 +102,12 @@ SIZE_PATCH = "oversized-rejected-v1"
 # A run that predates it keeps the reservation while parked, as before. Asked in the first task of
 # every run, as FEED_PATCH.
 PARK_PATCH = "parked-frees-capacity-v1"
+# Runs with this patch never fail a job for a band preemption (docs/DESIGN.md, "Preemption"): an
+# attempt its cluster preempted for a higher band queues the job again without spending any budget;
+# --max-retries-preemption counts only attempts a cluster lost. A run that predates it spends that
+# budget on a preemption and ends Preempted when none is left. Asked in the first task of every run,
+# as FEED_PATCH.
+REQUEUE_PATCH = "preemption-requeues-v1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +126,15 @@ class Features:
     can_continue: bool = False
     numbered: bool = False
     sizing: bool = False
-    # AUTH_PATCH, FEED_PATCH, PREEMPT_PATCH, TIMERS_PATCH, SIGNALS_PATCH, PARK_PATCH: asked in the
-    # first task of every run.
+    # AUTH_PATCH, FEED_PATCH, PREEMPT_PATCH, TIMERS_PATCH, SIGNALS_PATCH, PARK_PATCH, REQUEUE_PATCH:
+    # asked in the first task of every run.
     authenticating: bool = False
     feed: bool = False
     preemption: bool = False
     timers: bool = False
     wary: bool = False
     frees: bool = False
+    requeues: bool = False
 
 
 def read(
@@ -174,6 +181,7 @@ def read(
         timers=workflow.patched(TIMERS_PATCH),
         wary=workflow.patched(SIGNALS_PATCH),
         frees=workflow.patched(PARK_PATCH),
+        requeues=workflow.patched(REQUEUE_PATCH),
     )
 
 

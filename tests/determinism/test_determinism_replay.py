@@ -40,6 +40,7 @@ from workflows.job import (
     PARK_PATCH,
     PREEMPT_PATCH,
     REASON_PATCH,
+    REQUEUE_PATCH,
     SIGNALS_PATCH,
     SIZE_PATCH,
     SUBMISSION_PATCH,
@@ -105,6 +106,9 @@ PATCHED_PATHS = {
     "too_large_rejected": SIZE_PATCH,
     "parked_released_retaken": PARK_PATCH,
     "parked_retake_requeued": PARK_PATCH,
+    # Issue 29: a batch job with --max-retries-preemption 0, preempted for an interactive job, queued
+    # again without spending a budget, then succeeds (before the patch it ended FAILED, Preempted).
+    "preempted_past_budget_requeued": REQUEUE_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}

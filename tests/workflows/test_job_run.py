@@ -150,6 +150,7 @@ RUN = {
     "attempt": st.integers(1, 9),
     "failures_retried": st.integers(0, 9),
     "preemptions_retried": st.integers(0, 9),
+    "band_preemptions": st.integers(0, 9),
     "maybe_on": st.none() | st.tuples(text, text),
     "lost_after_s": st.floats(0, 1e6, allow_nan=False),
     "runs": st.integers(1, 10**4),

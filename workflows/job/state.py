@@ -125,6 +125,9 @@ class JobRun(BaseModel):
     attempt: int = 1
     failures_retried: int = 0
     preemptions_retried: int = 0
+    # Attempts its clusters preempted for a higher band since REQUEUE_PATCH: requeued, spending no
+    # budget (docs/DESIGN.md, "Preemption").
+    band_preemptions: int = 0
     # A launch whose answer never came: (cluster, nonce) of an attempt that cluster may be running.
     maybe_on: tuple[str, str] | None = None
     # How long a cluster running an attempt may stay silent before the attempt is lost.

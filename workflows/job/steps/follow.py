@@ -53,13 +53,17 @@ async def follow_to_end(ctx: Ctx, cluster: str, remote: ControllerJobStatus) -> 
 
 async def concluded(ctx: Ctx, end: AttemptEnd, reason: str, last: ControllerJobStatus | None) -> Retry | None:
     """The attempt's end, recorded. None: the job ended (its handle too); a ``Retry``: the attempt
-    failed, or its cluster lost it, and the job has a retry left for that."""
+    failed, or its cluster lost it, and the job has a retry left for that, or its cluster preempted
+    it for a higher band (REQUEUE_PATCH: always retried, unless a cancel is on its way)."""
     run = ctx.run
     cancel = run.mailbox.cancel
     preempted = None
     if ctx.features.preemption and last is not None and last.state is ControllerJobState.PREEMPTED:
         preempted = last.error or f"preempted on {run.cluster}"
     ends.attempt_ended(run, end, reason, last.exit_code if last is not None else None, preempted)
+    if preempted is not None and cancel is None and ctx.features.requeues:
+        # The scheduler's decision, not the job's fault: queued again, whatever its budgets.
+        return Retry(end, reason, preempted)
     retries = ends.budget(run, end)
     if retries is not None and cancel is None:
         used, budget, flag = retries
@@ -86,6 +90,8 @@ async def next_attempt(ctx: Ctx, retry: Retry) -> Phase:
     run = ctx.run
     if retry.end is AttemptEnd.FAILED:
         run.failures_retried += 1
+    elif retry.preempted is not None and ctx.features.requeues:
+        run.band_preemptions += 1
     else:
         run.preemptions_retried += 1
     run.attempt += 1

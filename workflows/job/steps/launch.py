@@ -79,7 +79,8 @@ def launch_request(ctx: Ctx, bundle: BundleRef | None) -> LaunchRequest | Parkin
             backend_id=run.backend,
             bundle=bundle,
             timeout_s=spec.timeout_s,
-            preemptions=run.preemptions_retried,
+            # Earlier attempts preempted or lost: the cluster's victim choice and exemption use it.
+            preemptions=run.preemptions_retried + run.band_preemptions,
         )
     except ValidationError as exc:
         if not ctx.features.checked:
