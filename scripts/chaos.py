@@ -640,7 +640,10 @@ def plan_jobs(options: Options, rng: random.Random, ledger: Path, started: float
             peer = rng.choice(PEERS)
             kwargs = {"target_cluster": peer, "artifacts": [f"s3://{peer}-artifacts/chaos/missing-{i}"]}
         elif kind == "deadline":
-            kwargs = {"device_type": "h100", "gpu_count": 8, "replicas": 3, "scheduling_timeout_s": 10}
+            # 2 x 8 H100: only cw-us-east-02a's 16 hold it (a shape no backend holds is REJECTED
+            # TooLarge at submit, never reaching its deadline), and the jobs running there while
+            # it waits keep it queued until it ends UNSCHEDULABLE.
+            kwargs = {"device_type": "h100", "gpu_count": 8, "replicas": 2, "scheduling_timeout_s": 10}
         command = job_command(i, sleep, ledger, until=until)
         plans.append(JobPlan(i, kind, kwargs, command, at, cancel_after))
     return plans
