@@ -105,8 +105,10 @@ PARK_PATCH = "parked-frees-capacity-v1"
 # Runs with this patch never fail a job for a band preemption (docs/DESIGN.md, "Preemption"): an
 # attempt its cluster preempted for a higher band queues the job again without spending any budget;
 # --max-retries-preemption counts only attempts a cluster lost. A run that predates it spends that
-# budget on a preemption and ends Preempted when none is left. Asked in the first task of every run,
-# as FEED_PATCH.
+# budget on a preemption and ends Preempted when none is left. With it too, a job queued again for
+# its next attempt counts as not delivered until that attempt's launch: Temporal's own cancel there
+# ends it KILLED before handoff (before it, the cancel read the ended attempt back from its cluster
+# and the job ended with that attempt's end). Asked in the first task of every run, as FEED_PATCH.
 REQUEUE_PATCH = "preemption-requeues-v1"
 
 

@@ -28,6 +28,8 @@ from temporalio.exceptions import ApplicationError
 from iris import contract
 from iris.controller.models import TIMED_OUT, ControllerJobState
 from iris.jobs import AttemptEnd, CancelRequest, JobSpec, JobState, JobStatus, ReplayRequest, attempt_nonce
+from iris.policy import CANCELLED_BEFORE_HANDOFF
+from iris.policy.reasons import ReasonCode
 from iris.store.models import HandleState
 from workflows.job import CANCELLED_WHILE_PARKED, JobWorkflow
 
@@ -473,3 +475,47 @@ async def test_a_cancelled_job_whose_attempt_is_lost_meanwhile_ends_killed_not_f
     assert st.reason.startswith("Cancelled: stop; the attempt was lost"), st.reason
     assert [(a.number, a.end) for a in st.attempts] == [(1, AttemptEnd.PREEMPTED.value)]
     assert fake.deliveries == [(PEER, nonce(spec, 1))]
+
+
+async def test_a_temporal_cancel_while_queued_for_a_retry_kills_the_job_not_its_last_attempts_end(
+    fed: Federation,
+) -> None:
+    """Attempt 1 failed and the job waits in the queue for attempt 2 when Temporal's own cancel
+    arrives (the Web UI's, say): no attempt runs, so the job ends KILLED before the next handoff,
+    its handle records the cancel, and nothing is delivered again. (Before REQUEUE_PATCH the
+    workflow took it for a cancel of a delivered job, read attempt 1 back from its cluster, and
+    ended the job with that attempt's end: FAILED.)"""
+    fake = fed.fake
+    fake.mirror = [Remote(ControllerJobState.FAILED, 3, None)]
+    spec = gpu_spec("cancel-between-attempts", fed.now_ms, max_retries_failure=1)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await queued_again(fed, handle)
+    await handle.cancel()
+    st = await fed.result(handle)
+
+    assert (st.state, st.reason, st.reason_code) == (
+        JobState.KILLED,
+        CANCELLED_BEFORE_HANDOFF,
+        ReasonCode.Cancelled,
+    )
+    assert fake.cancels == ["Cancelled through Temporal"]
+    assert fake.delivered == 1
+    assert [(a.end, a.exit_code) for a in st.attempts] == [(AttemptEnd.FAILED, 3)]
+
+
+async def test_the_cancel_update_while_queued_for_a_retry_says_no_attempt_runs(fed: Federation) -> None:
+    """The SDK's cancel_and_report between attempts: the cancel wins (no later attempt is ever
+    delivered), and says which handoff it came before."""
+    fake = fed.fake
+    fake.mirror = [Remote(ControllerJobState.FAILED, 3, None)]
+    spec = gpu_spec("update-between-attempts", fed.now_ms, max_retries_failure=1)
+    handle = await fed.queued(spec)
+    await fed.place(handle)
+    await queued_again(fed, handle)
+    outcome = await handle.execute_update(JobWorkflow.cancel_job, CancelRequest(reason="enough"))
+    st = await fed.result(handle)
+
+    assert (outcome.won, outcome.message) == (True, "cancelled before attempt 2's handoff; no attempt runs")
+    assert (st.state, st.reason) == (JobState.KILLED, CANCELLED_BEFORE_HANDOFF)
+    assert fake.delivered == 1

@@ -113,6 +113,10 @@ async def cancel_outcome(run: JobRun) -> CancelOutcome:
     never delivered to a cluster)."""
     await workflow.wait_condition(lambda: run.delivered or run.status.terminal)
     st = run.status
+    if not run.delivered and run.attempt > 1:
+        # Queued again after an attempt ended (REQUEUE_PATCH): no later attempt is ever delivered.
+        message = f"cancelled before attempt {run.attempt}'s handoff; no attempt runs"
+        return CancelOutcome(won=True, state=st.state, message=message)
     if not run.delivered:
         return CancelOutcome(won=True, state=st.state, message="cancelled before handoff; never delivered")
     return CancelOutcome(

@@ -110,7 +110,8 @@ class JobRun(BaseModel):
     # The job's handle is in the federation queue (store): its transitions must be recorded.
     queued: bool = False
     # Set in the workflow task that schedules the launch: from then on the job may be on a
-    # cluster, and a cancel has to go through that cluster.
+    # cluster, and a cancel has to go through that cluster. Cleared when the job is queued again
+    # for its next attempt (REQUEUE_PATCH).
     delivered: bool = False
     # Whether the run that began the job took LOCAL_STEPS_PATCH's path (later runs keep it).
     local_steps: bool = True

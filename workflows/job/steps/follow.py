@@ -99,6 +99,9 @@ async def next_attempt(ctx: Ctx, retry: Retry) -> Phase:
         ctx, run.status.state, f"attempt {run.attempt - 1} ended ({retry.end.value}): {retry.reason}"
     )
     await queue.requeue(ctx)
+    if ctx.features.requeues:
+        # No attempt is on a cluster until the next launch: a cancel now is one before handoff.
+        run.delivered = False
     queued = f"Attempt {run.attempt} queued: attempt {run.attempt - 1} on {run.cluster}"
     if retry.preempted is not None:
         transitions.move(
