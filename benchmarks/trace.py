@@ -17,7 +17,10 @@ Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
    reporting latency): work-conserving, and so a lower bound on the real stack's waits. With
    ``iris/policy/preemption.py`` present, capacity held by lower bands is reported and reclaimed at
    once (no grace period) through its ``choose_victims``; victims go back to the queue and restart
-   from scratch. Without it, held capacity cannot be reclaimed, so the simulation offers only idle
+   from scratch. A revision with ``preempt_exempt_s`` (issue 29) also has a job back from a
+   preemption exempt for each peer's configured time, in replay seconds: its chips are reported in
+   ``exempt_by_band`` and the simulation plans again when the exemption ends. Without
+   ``choose_victims``, held capacity cannot be reclaimed, so the simulation offers only idle
    capacity. The output says which.
 3. **The replay**: on a fresh real stack (``benchmarks/harness.py``, the demo topology: two peers
    with 16 and 8 H100) on a frozen copy of ``--source``, each job is submitted at its arrival time
