@@ -17,7 +17,10 @@ Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
    reporting latency): work-conserving, and so a lower bound on the real stack's waits. With
    ``iris/policy/preemption.py`` present, capacity held by lower bands is reported and reclaimed at
    once (no grace period) through its ``choose_victims``; victims go back to the queue and restart
-   from scratch. Without it, held capacity cannot be reclaimed, so the simulation offers only idle
+   from scratch. A revision with ``preempt_exempt_s`` (issue 29) also has a job back from a
+   preemption exempt for each peer's configured time, in replay seconds: its chips are reported in
+   ``exempt_by_band`` and the simulation plans again when the exemption ends. Without
+   ``choose_victims``, held capacity cannot be reclaimed, so the simulation offers only idle
    capacity. The output says which.
 3. **The replay**: on a fresh real stack (``benchmarks/harness.py``, the demo topology: two peers
    with 16 and 8 H100) on a frozen copy of ``--source``, each job is submitted at its arrival time
@@ -111,6 +114,7 @@ import asyncio
 import contextlib
 import heapq
 import importlib
+import inspect
 import random
 import shutil
 import tempfile
@@ -386,23 +390,44 @@ def preemption_figures(outcomes: Sequence[Outcome]) -> dict[str, float]:
 # ---- the offline bound -------------------------------------------------------------------------
 
 # (job id, band, chips, start s, times preempted before) of each running job.
-Chooser = Callable[[Band, int, int, Sequence[tuple[str, Band, int, float, int]]], list[str] | None]
+RunningJob = tuple[str, Band, int, float, int]
+# (waiting band, need, free, running jobs, now s, the peer's preempt_exempt_s) -> victims or None.
+Chooser = Callable[[Band, int, int, Sequence[RunningJob], float, float], list[str] | None]
 
 
-def preemption_chooser() -> tuple[Chooser | None, str]:
+@dataclass(frozen=True)
+class PreemptionModel:
+    """What the measured revision's policy offers: its victim choice adapted to one token (None:
+    no preemption), whether it has the exemption (``preempt_exempt_s``: its choice takes
+    ``exempt_ms`` and its capacity reports ``exempt_by_band``), and a line saying so."""
+
+    chooser: Chooser | None
+    exemption: bool
+    how: str
+
+
+def preemption_chooser(exempt_s: float = 0.0) -> PreemptionModel:
     """The policy's victim choice (``iris.policy.preemption.choose_victims``, issue 19) if this
-    revision has it, adapted to one token; (None, why) otherwise."""
+    revision has it, adapted to one token and to what its signature takes (``now_ms`` and
+    ``exempt_ms``, issue 29; ``preempted_before``); ``exempt_s`` only names the exemption in the
+    line (the simulation passes each peer's own)."""
     try:
         mod = importlib.import_module("iris.policy.preemption")
         choose = mod.choose_victims
         task_type = mod.RunningTask
     except (ImportError, AttributeError):
-        return None, "not modelled: this revision has no iris.policy.preemption.choose_victims"
-    # A revision before the earlier-preemptions key has no such field.
+        return PreemptionModel(
+            None, False, "not modelled: this revision has no iris.policy.preemption.choose_victims"
+        )
+    # A revision before the earlier-preemptions key has no such field; one before issue 29 takes
+    # no time and no exemption.
     counts = "preempted_before" in {f.name for f in dataclasses.fields(task_type)}
+    params = inspect.signature(choose).parameters
+    timed = "now_ms" in params
+    exemption = timed and "exempt_ms" in params and "exempt_by_band" in Availability.model_fields
 
     def chooser(
-        band: Band, need: int, free: int, running: Sequence[tuple[str, Band, int, float, int]]
+        band: Band, need: int, free: int, running: Sequence[RunningJob], now_s: float, peer_exempt_s: float
     ) -> list[str] | None:
         tasks = [
             task_type(
@@ -414,10 +439,16 @@ def preemption_chooser() -> tuple[Chooser | None, str]:
             )
             for tid, b, chips, start, before in running
         ]
-        victims = choose(band, {TOKEN: need}, {TOKEN: free}, tasks)
+        when: dict[str, int] = {"now_ms": int(now_s * 1000)} if timed else {}
+        if exemption:
+            when["exempt_ms"] = round(peer_exempt_s * 1000)
+        victims = choose(band, {TOKEN: need}, {TOKEN: free}, tasks, **when)
         return None if victims is None else [str(v.task_id) for v in victims]
 
-    return chooser, "modelled: iris.policy.preemption.choose_victims, no grace period"
+    how = "modelled: iris.policy.preemption.choose_victims, no grace period"
+    if exemption:
+        how += f", exempt {exempt_s:g} s after a restart (preempt_exempt_s)"
+    return PreemptionModel(chooser, exemption, how)
 
 
 def _backend(peer: str) -> str:
@@ -429,7 +460,10 @@ def _reports(
     running: Mapping[str, dict[int, tuple[Band, int, float]]],
     now_ms: int,
     with_held: bool,
+    exempt: Mapping[str, dict[Band, int]] | None = None,
 ) -> list[PeerReport]:
+    """Every peer's report; ``exempt``: per peer, what exempt jobs hold by band (only passed for a
+    revision whose reports have ``exempt_by_band``)."""
     reports = [
         PeerReport(
             peer_id=HOME,
@@ -465,6 +499,16 @@ def _reports(
                             ]
                             if with_held
                             else [],
+                            **(
+                                {
+                                    "exempt_by_band": [
+                                        HeldByBand(band=b, amounts={TOKEN: n})
+                                        for b, n in sorted(exempt[peer].items())
+                                    ]
+                                }
+                                if with_held and exempt is not None and exempt.get(peer)
+                                else {}
+                            ),
                         ),
                     )
                 ],
@@ -497,21 +541,44 @@ def simulate(
     scale: float = 1.0,
     chooser: Chooser | None = None,
     preemption: str = "not modelled",
+    exempt_s: Mapping[str, float] | None = None,
 ) -> SimResult:
     """The work-conserving replay of ``jobs`` on the pure policy, in replay seconds (trace seconds
     over ``scale``): classify at arrival, plan at every arrival and end, start what it places at
     once. With ``chooser``, held capacity is reported and a placement that preempts stops the
-    chooser's victims on its peer first (they re-queue with their submit time and full duration)."""
+    chooser's victims on its peer first (they re-queue with their submit time and full duration).
+    With ``exempt_s`` (each peer's ``preempt_exempt_s``, a revision that has it), a job back from a
+    preemption is exempt for that long from its restart: its chips are reported exempt (the
+    planner does not count them reclaimable) and the chooser never takes it; the simulation also
+    plans again when an exemption ends, as the process backend schedules its head again then."""
     by_id = {f"j{j.index}": j for j in jobs}
     outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in jobs}
     arrivals = sorted(jobs, key=lambda j: (j.arrival_s, j.index))
     running: dict[str, dict[int, tuple[Band, int, float]]] = {p: {} for p in peers}
     ends: list[tuple[float, int, str, int]] = []  # (end, index, peer, generation)
+    exemption_ends: list[float] = []  # when an exemption ends: plan again
     generation: dict[int, int] = {}
     queue: dict[str, JobShape] = {}
     rejected: list[int] = []
     ai = 0
     now = 0.0
+
+    def preempted_before(index: int) -> int:
+        return sum(r.preempted for r in outcomes[index].runs)
+
+    def is_exempt(peer: str, index: int, started: float) -> bool:
+        span = (exempt_s or {}).get(peer, 0.0)
+        return span > 0 and preempted_before(index) > 0 and now - started < span
+
+    def exempt_held() -> dict[str, dict[Band, int]] | None:
+        if exempt_s is None:
+            return None
+        out: dict[str, dict[Band, int]] = {}
+        for peer, jobs_there in running.items():
+            for index, (band, chips, started) in jobs_there.items():
+                if is_exempt(peer, index, started):
+                    out.setdefault(peer, {})[band] = out.get(peer, {}).get(band, 0) + chips
+        return out
 
     def start(job_id: str, peer: str) -> None:
         j = by_id[job_id]
@@ -519,12 +586,17 @@ def simulate(
         outcomes[j.index].runs.append(Run(start_s=now, peer=peer))
         gen = generation[j.index] = generation.get(j.index, 0) + 1
         heapq.heappush(ends, (now + j.duration_s / scale, j.index, peer, gen))
+        if exempt_s is not None and exempt_s.get(peer, 0.0) > 0 and preempted_before(j.index) > 0:
+            heapq.heappush(exemption_ends, now + exempt_s[peer] + 1e-6)  # just past its end
         del queue[job_id]
 
     while ai < len(arrivals) or ends:
         next_arrival = arrivals[ai].arrival_s / scale if ai < len(arrivals) else math.inf
         next_end = ends[0][0] if ends else math.inf
-        now = min(next_arrival, next_end)
+        next_exemption_end = exemption_ends[0] if exemption_ends else math.inf
+        now = min(next_arrival, next_end, next_exemption_end)
+        while exemption_ends and exemption_ends[0] <= now:
+            heapq.heappop(exemption_ends)
         while ends and ends[0][0] <= now:
             _, index, peer, gen = heapq.heappop(ends)
             if generation.get(index) != gen or index not in running[peer]:
@@ -536,7 +608,7 @@ def simulate(
             ai += 1
             s = shape(j, int(j.arrival_s / scale * 1000))
             outcomes[j.index].submit_s = j.arrival_s / scale
-            reports = _reports(peers, running, int(now * 1000), chooser is not None)
+            reports = _reports(peers, running, int(now * 1000), chooser is not None, exempt_held())
             c = classify(s, home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40)
             if c.disposition is Disposition.REJECT:
                 rejected.append(j.index)
@@ -546,7 +618,7 @@ def simulate(
         for _ in range(len(jobs) + 1):
             if not queue:
                 break
-            reports = _reports(peers, running, int(now * 1000), chooser is not None)
+            reports = _reports(peers, running, int(now * 1000), chooser is not None, exempt_held())
             result = plan(
                 list(queue.values()), home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40
             )
@@ -558,10 +630,9 @@ def simulate(
                     if chooser is None:
                         continue
                     tasks = [
-                        (f"j{i}", b, c, t, sum(r.preempted for r in outcomes[i].runs))
-                        for i, (b, c, t) in running[p.peer_id].items()
+                        (f"j{i}", b, c, t, preempted_before(i)) for i, (b, c, t) in running[p.peer_id].items()
                     ]
-                    victims = chooser(j.band, j.chips, free, tasks)
+                    victims = chooser(j.band, j.chips, free, tasks, now, (exempt_s or {}).get(p.peer_id, 0.0))
                     if not victims:
                         continue
                     for v in victims:
@@ -935,8 +1006,18 @@ async def run(args: argparse.Namespace) -> int:
     window_replay = args.minutes * 60 * ARRIVAL_SHARE
     cfg = TraceConfig(peers=tuple(peers), window_s=window_replay * args.scale, seed=args.seed, load=args.load)
     trace = generate(cfg)
-    chooser, how = preemption_chooser()
-    sim = simulate(trace, dict(peers), scale=args.scale, chooser=chooser, preemption=how)
+    # Each peer's preempt_exempt_s as the measured revision's config has it (none before issue 29).
+    exempt = {name: float(getattr(base.cluster(name), "preempt_exempt_s", 0.0)) for name, _ in peers}
+    model = preemption_chooser(max(exempt.values(), default=0.0))
+    chooser, how = model.chooser, model.how
+    sim = simulate(
+        trace,
+        dict(peers),
+        scale=args.scale,
+        chooser=chooser,
+        preemption=how,
+        exempt_s=exempt if model.exemption else None,
+    )
     capacity = cfg.capacity
     bound = figures(sim.outcomes, capacity, sim.end_s, tick_s)
     bound["preemption_model"] = how

@@ -2,7 +2,8 @@
 reservations, staleness.
 
 A backend's block says what is idle (``amounts``) and what admitted work holds per band
-(``held_by_band``). A job of band B may use the idle capacity plus whatever is held by strictly
+(``held_by_band``), and which part of that is exempt from preemption for now (``exempt_by_band``).
+A job of band B may use the idle capacity plus whatever is held, and not exempt, by strictly
 lower-priority bands, since the peer's scheduler would preempt that work to admit it. Reservations
 the ledger confirmed against the same observation are spent first, so successive ticks between two
 heartbeats never re-spend one advertised number; a newer observation already reflects them.
@@ -123,6 +124,14 @@ class Capacity:
                     amounts[key] = min(amounts[key], room)
                     room -= amounts[key]
         reported = frozenset(free).union(totals, *(a.keys() for a in held.values()))
+        # What exempt work holds (a job back from a preemption, within its cluster's
+        # preempt_exempt_s) is held but cannot be reclaimed yet: it leaves the held amounts.
+        for entry in block.exempt_by_band:
+            per_band = held.get(entry.band, {})
+            for token, amount in entry.amounts.items():
+                key = token.strip().lower()
+                if key in per_band:
+                    per_band[key] = max(0, per_band[key] - max(0, amount))
         return cls(free, held, reported)
 
     def copy(self) -> Capacity:

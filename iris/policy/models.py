@@ -103,6 +103,10 @@ class Availability(BaseModel):
     amounts: dict[str, int] = Field(default_factory=dict)
     total_amounts: dict[str, int] = Field(default_factory=dict)
     held_by_band: list[HeldByBand] = Field(default_factory=list)
+    # The part of held_by_band that running work exempt from preemption holds (a job back from a
+    # preemption, within its cluster's preempt_exempt_s): no band may reclaim it yet
+    # (docs/DESIGN.md, "Capacity reports"). An older peer leaves it out: nothing exempt.
+    exempt_by_band: list[HeldByBand] = Field(default_factory=list)
 
 
 class BackendReport(BaseModel):

@@ -1,26 +1,33 @@
 """Which running work a waiting job preempts (docs/DESIGN.md, "Preemption").
 
-Pure: a backend passes in the waiting job's band and need, its free amounts and what its running
-tasks hold, and gets back the victims to stop, or None. A band preempts only strictly lower bands
-(a higher ``Band`` number): ``batch`` preempts nothing, ``interactive`` preempts ``batch``,
-``production`` preempts both.
+Pure: a backend passes in the waiting job's band and need, its free amounts, what its running
+tasks hold, the time and the cluster's exemption, and gets back the victims to stop, or None. A
+band preempts only strictly lower bands (a higher ``Band`` number): ``batch`` preempts nothing,
+``interactive`` preempts ``batch``, ``production`` preempts both.
 
-The choice, among the sets of allowed victims whose release makes the job fit:
+A task whose job was preempted (or lost) before and whose attempt started less than
+``exempt_ms`` ago is exempt (``preempt_exempt_s``, like Slurm's ``PreemptExemptTime``): never a
+victim, so a job back from a preemption runs for at least that long.
 
-1. the fewest victims;
-2. then the lowest bands: the set whose highest-band (least preemptible) victim is the most
-   preemptible, then its next victim, and so on;
-3. then, at equal bands, the ones preempted (or lost) fewer times before: a job that came back
-   from a preemption is not the first victim again, so no job is preempted over and over;
-4. then the youngest: the latest started (the least work lost).
+The choice, among the sets of allowed, non-exempt victims whose release makes the job fit:
 
-In other words the set whose victims, ranked from the least to the most preemptible, are
-lexicographically the most preemptible (``victim_rank``).
+1. the lowest bands: the fewest victims of each band above ``batch``, the most protected first
+   (a ``production`` job takes an ``interactive`` one only when ``batch`` work cannot make room,
+   and then as few as it can); ``batch`` victims are weighed by the next key alone;
+2. then the least work lost (``work_lost``): each victim's amounts (all its tokens) times the time
+   since its attempt started, summed;
+3. then the fewest victims;
+4. then, by task id, the set whose smallest differing id is its own (deterministic).
+
+Exact and fast (``_best``): every key is a sum over the victims (the id key as a bit mask), so a
+0/1 knapsack over what is still lacking finds the best set: O(n · S) for n candidates and S the
+reachable lack vectors, S ≤ deficit + 1 for one token (every backend's case). Measured (2 loaded
+cores, nice 19), 64 candidates of 1 to 8 chips: a median of 1 ms a call for a deficit of 8, 3 ms
+for 32, 6 ms for 64.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +37,7 @@ from iris.policy.models import Band
 @dataclass(frozen=True)
 class RunningTask:
     """One running unit a backend could stop: its id (a job id), band, what it holds per token,
-    when it started (ms), and how many earlier attempts of its job were preempted or lost."""
+    when its attempt started (ms), and how many earlier attempts of its job were preempted or lost."""
 
     task_id: str
     band: Band
@@ -39,15 +46,26 @@ class RunningTask:
     preempted_before: int = 0
 
 
+# Bands whose victims are counted before the work lost (all but the least protected one), the
+# most protected first.
+_COUNTED_BANDS: tuple[Band, ...] = tuple(sorted(Band))[:-1]
+
+
 def may_preempt(waiting: Band, running: Band) -> bool:
     """Whether a job of band ``waiting`` may preempt one of band ``running``: strictly lower only."""
     return int(running) > int(waiting)
 
 
-def victim_rank(task: RunningTask) -> tuple[int, int, int, str]:
-    """Smaller is preempted first: the lowest band (highest number), then the fewest earlier
-    preemptions, then the youngest."""
-    return (-int(task.band), task.preempted_before, -task.started_ms, task.task_id)
+def is_exempt(task: RunningTask, *, now_ms: int, exempt_ms: int) -> bool:
+    """Whether ``task`` came back from a preemption (or a loss) less than ``exempt_ms`` ago (a
+    start after ``now_ms``, a clock's skew, counts as just now; ``exempt_ms`` 0 exempts no one)."""
+    return exempt_ms > 0 and task.preempted_before > 0 and now_ms - task.started_ms < exempt_ms
+
+
+def work_lost(task: RunningTask, now_ms: int) -> int:
+    """What stopping ``task`` now loses: its amounts times the time since its attempt started
+    (unit-milliseconds; a start in the future counts as now)."""
+    return sum(max(0, a) for a in task.amounts.values()) * max(0, now_ms - task.started_ms)
 
 
 def deficit(need: Mapping[str, int], free: Mapping[str, int]) -> dict[str, int]:
@@ -55,28 +73,45 @@ def deficit(need: Mapping[str, int], free: Mapping[str, int]) -> dict[str, int]:
     return {t: n - free.get(t, 0) for t, n in need.items() if n - free.get(t, 0) > 0}
 
 
-def _covers(tasks: Sequence[RunningTask], lack: Mapping[str, int]) -> bool:
-    return all(sum(task.amounts.get(t, 0) for task in tasks) >= n for t, n in lack.items())
+def _best(pool: Sequence[RunningTask], lack: Mapping[str, int], now_ms: int) -> list[RunningTask] | None:
+    """The best set of ``pool`` that covers ``lack``, or None.
 
-
-def _feasible(k: int, pool: Sequence[RunningTask], lack: Mapping[str, int]) -> bool:
-    """Whether some ``k`` of ``pool`` release what ``lack`` asks."""
-    if k < 0 or k > len(pool):
-        return False
-    if not lack:
-        return True
-    if k == 0:
-        return False
-    if len(lack) == 1:
-        # One token (every backend's case: a job asks one device token, or CPU slots): the k
-        # largest holders are the best k.
-        ((token, n),) = lack.items()
-        return sum(sorted((t.amounts.get(token, 0) for t in pool), reverse=True)[:k]) >= n
-    return any(_covers(combo, lack) for combo in itertools.combinations(pool, k))
-
-
-def _remaining(lack: Mapping[str, int], task: RunningTask) -> dict[str, int]:
-    return {t: n - task.amounts.get(t, 0) for t, n in lack.items() if n - task.amounts.get(t, 0) > 0}
+    A 0/1 knapsack over the lack still to cover (capped at 0 per token). A set's key is the sum of
+    its members' keys: (a one per counted band, work lost, 1, -2^(n-1-r)) with r the member's rank
+    by id, so the bit mask's negation orders sets of one size by their smallest differing id, and
+    decodes the set. Lexicographic order on integer tuples is kept by adding the same tuple to
+    both sides, so extending the best cover of a smaller lack with a member is never worse than
+    extending another: the table is exact."""
+    tokens = sorted(lack)
+    n = len(pool)
+    by_id = sorted(range(n), key=lambda i: (pool[i].task_id, i))
+    bit = {i: 1 << (n - 1 - r) for r, i in enumerate(by_id)}
+    width = len(_COUNTED_BANDS)
+    start = tuple(lack[t] for t in tokens)
+    best: dict[tuple[int, ...], tuple[int, ...]] = {start: (0,) * (width + 3)}
+    for i, task in enumerate(pool):
+        held = [task.amounts.get(t, 0) for t in tokens]
+        item = (
+            *(1 if task.band == b else 0 for b in _COUNTED_BANDS),
+            work_lost(task, now_ms),
+            1,
+            -bit[i],
+        )
+        for state, key in list(best.items()):
+            if not any(state):
+                continue  # covered: adding a victim only makes it worse
+            after = tuple(max(0, s - h) for s, h in zip(state, held, strict=True))
+            if after == state:
+                continue
+            candidate = tuple(a + b for a, b in zip(key, item, strict=True))
+            current = best.get(after)
+            if current is None or candidate < current:
+                best[after] = candidate
+    done = best.get((0,) * len(tokens))
+    if done is None:
+        return None
+    mask = -done[-1]
+    return [pool[i] for i in range(n) if mask & bit[i]]
 
 
 def choose_victims(
@@ -84,30 +119,29 @@ def choose_victims(
     need: Mapping[str, int],
     free: Mapping[str, int],
     running: Sequence[RunningTask],
+    *,
+    now_ms: int,
+    exempt_ms: int = 0,
 ) -> list[RunningTask] | None:
     """The victims whose release makes ``need`` fit (see the module's order), least preemptible
-    first; ``[]`` if it fits already; None if no set of allowed victims would make it fit."""
+    first (the most protected band, then the most work); ``[]`` if it fits already; None if no set
+    of allowed, non-exempt victims would make it fit. ``now_ms`` is the time the work lost and the
+    exemption are measured at; ``exempt_ms`` the cluster's ``preempt_exempt_s`` in ms."""
     lack = deficit(need, free)
     if not lack:
         return []
-    # Only allowed victims that hold some of what is lacking can help; a useless one never
-    # belongs to a minimal set.
-    pool = sorted(
-        (t for t in running if may_preempt(band, t.band) and any(t.amounts.get(tok, 0) > 0 for tok in lack)),
-        key=victim_rank,
-    )
-    k = next((k for k in range(1, len(pool) + 1) if _feasible(k, pool, lack)), None)
-    if k is None:
+    # Only allowed, non-exempt victims that hold some of what is lacking can help; a useless one
+    # never belongs to the best set (dropping it lowers every key).
+    pool = [
+        t
+        for t in running
+        if may_preempt(band, t.band)
+        and not is_exempt(t, now_ms=now_ms, exempt_ms=exempt_ms)
+        and any(t.amounts.get(tok, 0) > 0 for tok in lack)
+    ]
+    if any(sum(t.amounts.get(tok, 0) for t in pool) < n for tok, n in lack.items()):
         return None
-    # Fix the least preemptible victim first, as preemptible as possible: the first prefix of the
-    # ranked pool that can still hold a k-set ends with it; then the next one within that prefix.
-    chosen: list[RunningTask] = []
-    candidates = pool
-    while lack:
-        slots = k - len(chosen)
-        i = next(i for i in range(slots, len(candidates) + 1) if _feasible(slots, candidates[:i], lack))
-        victim = candidates[i - 1]
-        chosen.append(victim)
-        lack = _remaining(lack, victim)
-        candidates = candidates[: i - 1]
-    return chosen
+    chosen = _best(pool, lack, now_ms)
+    if chosen is None:
+        return None
+    return sorted(chosen, key=lambda t: (int(t.band), -work_lost(t, now_ms), t.task_id))

@@ -152,7 +152,8 @@ def test_jobs_take_the_tightest_peer_and_time_is_compressed_by_the_scale() -> No
 
 
 def test_with_preemption_an_interactive_job_stops_the_youngest_batch_job_which_comes_back() -> None:
-    chooser, how = preemption_chooser()
+    model = preemption_chooser()
+    chooser, how = model.chooser, model.how
     assert chooser is not None, how  # iris/policy/preemption.py is in this revision
     # An 8-chip peer: batch A (0-10) and batch B (from 1) fill it; interactive C (t=2, 5 s) stops B,
     # the youngest, runs 2-7; B restarts at 7: its wait is 0 + (7 - 2) = 5, its lost run 4 chips x 1 s.
@@ -168,7 +169,8 @@ def test_with_preemption_an_interactive_job_stops_the_youngest_batch_job_which_c
 
 
 def test_with_preemption_batch_preempts_nothing_and_interactive_not_its_own_band() -> None:
-    chooser, how = preemption_chooser()
+    model = preemption_chooser()
+    chooser, how = model.chooser, model.how
     assert chooser is not None, how
     for first, late in ((B, B), (IA, IA), (P, IA)):
         trace = [job(0, 0, first, 8, 10), job(1, 1, late, 8, 5)]
@@ -178,6 +180,34 @@ def test_with_preemption_batch_preempts_nothing_and_interactive_not_its_own_band
     # Production preempts interactive.
     r = simulate([job(0, 0, IA, 8, 10), job(1, 1, P, 8, 5)], {"p": 8}, chooser=chooser, preemption=how)
     assert waits(r.outcomes, r.end_s) == {0: 5, 1: 0}
+
+
+def test_with_the_exemption_a_job_back_from_a_preemption_is_not_preempted_again_too_soon() -> None:
+    """preempt_exempt_s (issue 29) in the simulation: batch A (8 chips) is preempted at 1 by
+    interactive C and restarts at 6, exempt until 16. Interactive D (t=7) finds A's chips exempt
+    (not reclaimable), waits, and preempts A when the exemption ends (the simulation plans again
+    then); with no exemption D preempts A at once."""
+    model = preemption_chooser(10)
+    assert model.chooser is not None and model.exemption, model.how
+    assert "exempt 10 s" in model.how
+    trace = [job(0, 0, B, 8, 100), job(1, 1, IA, 8, 5), job(2, 7, IA, 8, 5)]
+    r = simulate(trace, {"p": 8}, chooser=model.chooser, preemption=model.how, exempt_s={"p": 10})
+    by = {o.index: o for o in r.outcomes}
+    assert [(x.start_s, x.end_s, x.preempted) for x in by[0].runs] == [
+        (0, 1, True),
+        (6, pytest.approx(16), True),
+        (pytest.approx(21), pytest.approx(121), False),
+    ]
+    assert waits(r.outcomes, r.end_s) == {0: pytest.approx(10), 1: 0, 2: pytest.approx(9)}
+    # No exemption: D stops A at once, 1 s into its second run.
+    r = simulate(trace, {"p": 8}, chooser=model.chooser, preemption=model.how, exempt_s={"p": 0})
+    by = {o.index: o for o in r.outcomes}
+    assert [(x.start_s, x.end_s, x.preempted) for x in by[0].runs] == [
+        (0, 1, True),
+        (6, 7, True),
+        (12, 112, False),
+    ]
+    assert waits(r.outcomes, r.end_s) == {0: 10, 1: 0, 2: 0}
 
 
 # ---- the figures -------------------------------------------------------------------------------

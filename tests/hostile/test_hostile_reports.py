@@ -76,6 +76,14 @@ def block_strategy(
                 ),
                 max_size=3,
             ),
+            # Exempt holdings only ever take away from what is reclaimable.
+            "exempt_by_band": st.lists(
+                st.fixed_dictionaries(
+                    {"band": bands},
+                    optional={"amounts": st.dictionaries(tokens, values, max_size=2)},
+                ),
+                max_size=2,
+            ),
         },
     )
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 from policy_factories import EPOCH, NOW, STALE, backend, gpu_attrs, h100, peer
 
 from iris.policy import (
+    BackendReport,
     Band,
     Capacity,
     DeviceRequest,
+    HeldByBand,
     PeerStatus,
     Reservation,
     effective_capacity,
@@ -86,6 +88,30 @@ class TestBands:
         cap = Capacity({"h100": 0}, {Band.INTERACTIVE: {"h100": 8}})
         assert cap.spend("h100", 8, Band.INTERACTIVE) == 8
         assert cap.held[Band.INTERACTIVE] == {"h100": 8}
+
+    def test_exempt_holdings_are_not_reclaimable(self) -> None:
+        """What work back from a preemption holds within its preempt_exempt_s (``exempt_by_band``,
+        a part of ``held_by_band``) is not offered to any band; an older peer's block has none."""
+        b = h100("b", 2, held={Band.BATCH: 4, Band.INTERACTIVE: 8})
+        assert b.availability is not None
+        block = b.availability.model_copy(
+            update={
+                "exempt_by_band": [
+                    HeldByBand(band=Band.BATCH, amounts={"H100": 3}),
+                    HeldByBand(band=Band.INTERACTIVE, amounts={"h100": 20, "a100": 5}),
+                    HeldByBand(band=Band.PRODUCTION, amounts={"h100": 1}),  # nothing held: ignored
+                ]
+            }
+        )
+        exempt = b.model_copy(update={"availability": block})
+        assert effective_capacity("cw", exempt, "h100", Band.PRODUCTION) == 2 + 1 + 0
+        assert effective_capacity("cw", exempt, "h100", Band.INTERACTIVE) == 2 + 1
+        assert effective_capacity("cw", exempt, "h100", Band.BATCH) == 2
+        # A report without the field (an older peer) reads as before.
+        old = BackendReport.model_validate_json(
+            b.model_dump_json(exclude={"availability": {"exempt_by_band"}})
+        )
+        assert effective_capacity("cw", old, "h100", Band.PRODUCTION) == 2 + 4 + 8
 
 
 class TestLedger:

@@ -1,8 +1,9 @@
 """Preemption on the process backend (docs/DESIGN.md, "Preemption"), in process: a real Executor
 with its SQLite store and real job processes. A job that waits for capacity lower-band runs hold
-preempts the fewest, lowest-band, youngest of them (SIGTERM, the cluster's grace, SIGKILL); they
-end PREEMPTED with who preempted them and when, and the waiting job starts. ``held_by_band`` in
-the capacity report matches the RUNNING jobs after every change the change feed shows."""
+preempts the lowest-band ones that lose the least work, never one back from a preemption within
+the cluster's preempt_exempt_s (SIGTERM, the cluster's grace, SIGKILL); they end PREEMPTED with
+who preempted them and when, and the waiting job starts. ``held_by_band`` in the capacity report
+matches the RUNNING jobs after every change the change feed shows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import pwd
 import sys
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -75,12 +77,15 @@ class Checked(FeedChecked):
 
 
 @contextlib.asynccontextmanager
-async def checked_executor(tmp_path: Path, grace_s: float = GRACE_S) -> AsyncIterator[Checked]:
+async def checked_executor(
+    tmp_path: Path, grace_s: float = GRACE_S, exempt_s: float = 300.0
+) -> AsyncIterator[Checked]:
     cluster = ClusterConfig(
         name="peer",
         port=1,
         run_as=pwd.getpwuid(os.geteuid()).pw_name,
         preempt_grace_s=grace_s,
+        preempt_exempt_s=exempt_s,
         backends=[BackendConfig(id="gpu", devices={"h100": 8}, cpu_slots=2)],
     )
     state_dir = tmp_path / "state"
@@ -141,9 +146,9 @@ async def test_interactive_job_preempts_every_batch_job_it_needs(tmp_path: Path)
         assert c.checks >= 10
 
 
-async def test_the_fewest_youngest_lowest_band_victims(tmp_path: Path) -> None:
-    """4 chips wanted, none free: the two younger of three 2-chip batch jobs, never the interactive
-    one (older than the youngest batch job, but of a higher band)."""
+async def test_the_lowest_band_least_work_victims(tmp_path: Path) -> None:
+    """4 chips wanted, none free: the two younger of three 2-chip batch jobs (the least work lost),
+    never the interactive one (older than the youngest batch job, but of a higher band)."""
     async with checked_executor(tmp_path) as c:
         c.launch("old/2a", Band.BATCH, 2)
         await _started(c, "old/2a")
@@ -278,15 +283,41 @@ async def test_a_preempted_job_stays_preempted_across_a_restart(tmp_path: Path) 
         again.store.close()
 
 
-async def test_a_job_back_from_a_preemption_is_not_the_first_victim_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("exempt_s", "victim"), [(300.0, "batch/old"), (0.0, "batch/back")])
+async def test_a_job_back_from_a_preemption_is_exempt(tmp_path: Path, exempt_s: float, victim: str) -> None:
     """The youngest batch job is an attempt that was preempted once already (its launch says so):
-    the older batch job that never was goes first (docs/DESIGN.md, "Preemption": no churn)."""
-    async with checked_executor(tmp_path) as c:
+    within the cluster's preempt_exempt_s it is no victim, so the older batch job goes although it
+    loses more work (docs/DESIGN.md, "Preemption": no churn). With no exemption, the least work
+    lost: the younger one."""
+    async with checked_executor(tmp_path, exempt_s=exempt_s) as c:
         c.launch("batch/old", Band.BATCH, 4)
         await _started(c, "batch/old")
         c.launch("batch/back", Band.BATCH, 4, preemptions=1)
         await _started(c, "batch/back")
         c.launch("prod/p", Band.PRODUCTION, 4)
         await c.until("prod/p runs", lambda: c.state("prod/p") is S.RUNNING)
-        assert c.state("batch/old") is S.PREEMPTED
-        assert c.state("batch/back") is S.RUNNING
+        assert _preempted(c) == {victim}
+
+
+async def test_a_head_waiting_for_an_exempt_run_preempts_it_when_the_exemption_ends(tmp_path: Path) -> None:
+    """Only an exempt batch run holds what the production head needs: nothing is preempted, the
+    report says the run's chips are exempt, and when the exemption ends (no other event) the head
+    preempts it and starts."""
+    exempt_s = 2.0
+    async with checked_executor(tmp_path, exempt_s=exempt_s) as c:
+        c.launch("batch/back", Band.BATCH, 8, preemptions=1)
+        await _started(c, "batch/back")
+        started = c.executor.get("batch/back").started_ms or 0
+        c.launch("prod/p", Band.PRODUCTION, 8)
+        assert c.state("prod/p") is S.PENDING and not _preempted(c)
+        (report,) = c.executor.availability()
+        assert report.availability is not None
+        assert [(int(h.band), h.amounts) for h in report.availability.exempt_by_band] == [(3, {"h100": 8})]
+        await c.until("prod/p runs", lambda: c.state("prod/p") is S.RUNNING, timeout=exempt_s + 10)
+        assert c.state("batch/back") is S.PREEMPTED
+        # Decided once the exemption was over (the note's time, to the centisecond).
+        note = c.executor.get("batch/back").preempted or ""
+        at = datetime.strptime(note.split(" at ")[-1], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        assert at.timestamp() * 1000 >= started + exempt_s * 1000 - 10
+        (report,) = c.executor.availability()
+        assert report.availability is not None and report.availability.exempt_by_band == []

@@ -1,7 +1,7 @@
 """Preemption on the Ray backend (docs/DESIGN.md, "Preemption"), against a real local Ray head: a real
 Executor (in this process, with its SQLite store) whose backend runs its jobs as Ray jobs. A job
-that waits for devices lower-band jobs hold preempts the fewest, lowest-band, youngest of them; Ray
-stops them (SIGTERM, then SIGKILL after the cluster's grace); they end PREEMPTED with who preempted
+that waits for devices lower-band jobs hold preempts the lowest-band ones that lose the least work;
+Ray stops them (SIGTERM, then SIGKILL after the cluster's grace); they end PREEMPTED with who preempted
 them and when, and the waiting job starts when their devices return. ``held_by_band`` in the
 capacity report matches the RUNNING jobs after every change the change feed shows.
 
@@ -211,9 +211,10 @@ async def test_an_interactive_job_preempts_the_youngest_batch_jobs_it_needs(
 async def test_the_fewest_victims_then_the_lowest_band_and_never_a_higher_one(
     ray_head: devstack.RayHeadSpec, tmp_path: Path
 ) -> None:
-    """4 chips wanted, none free: one 4-chip batch job rather than two 2-chip ones, although they
-    are younger; never the interactive one. Then an interactive job that only interactive and
-    production work could make room for preempts no one."""
+    """4 chips wanted, none free: the 4-chip batch job, the only batch work that makes room; never
+    the interactive one, although with the younger 2-chip batch job it would lose less work (an
+    interactive victim only when batch work cannot make room). Then an interactive job that only
+    interactive and production work could make room for preempts no one."""
     async with checked_executor(ray_head, tmp_path, "fewest") as c:
         c.launch("old/big", Band.BATCH, 4)
         await c.started("old/big")

@@ -1,7 +1,7 @@
 """Preemption on the Slurm backend (issue 30; docs/DESIGN.md, "Preemption", "The Slurm backend"),
 against the session's real single-node Slurm: a real Executor in this process whose backend runs its
-jobs as Slurm jobs. A job that waits for GPUs lower-band jobs hold preempts the fewest, lowest-band,
-youngest of them (``choose_victims``); the backend stops them in Slurm (SIGTERM to every process of
+jobs as Slurm jobs. A job that waits for GPUs lower-band jobs hold preempts the lowest-band ones
+that lose the least work (``choose_victims``); the backend stops them in Slurm (SIGTERM to every process of
 the job, then SIGKILL and ``scancel`` after the cluster's grace); they end PREEMPTED with who
 preempted them and when, and the waiting job starts when Slurm shows their GPUs free.
 ``held_by_band`` in the capacity report matches the RUNNING jobs after every change the change feed
@@ -82,9 +82,10 @@ async def test_an_interactive_job_preempts_the_youngest_batch_jobs_it_needs(
 async def test_the_fewest_victims_then_the_lowest_band_and_never_a_higher_one(
     slurm: slurmdev.SlurmCluster, tmp_path: Path
 ) -> None:
-    """4 GPUs wanted, none free: one 4-GPU batch job rather than two 2-GPU ones, although they are
-    younger; never the interactive one. Then an interactive job that only interactive and
-    production work could make room for preempts no one."""
+    """4 GPUs wanted, none free: the 4-GPU batch job, the only batch work that makes room; never
+    the interactive one, although with the younger 2-GPU batch job it would lose less work (an
+    interactive victim only when batch work cannot make room). Then an interactive job that only
+    interactive and production work could make room for preempts no one."""
     async with executor_on(slurm, tmp_path / "state", "fewest") as c:
         launch(c, "old/big", Band.BATCH, 4)
         await c.started("old/big")

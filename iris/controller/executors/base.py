@@ -19,8 +19,9 @@ from iris.config import BackendConfig, ClusterConfig
 from iris.controller.bundles import BundleStore
 from iris.controller.errors import InvalidArgument
 from iris.controller.models import ControllerJobState
-from iris.controller.state import JobRecord
+from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import Availability, BackendReport, Band, DeviceRequest, HeldByBand
+from iris.policy.preemption import RunningTask, is_exempt
 
 CPU_RESOURCE = "cpu"
 _AUTO_VARIANTS = frozenset({"", "auto"})
@@ -116,10 +117,30 @@ class Backend(ABC):
     def __init__(self, config: BackendConfig, host: JobHost) -> None:
         self.config = config
         self.host = host
+        # How long a job back from a preemption is no victim (docs/DESIGN.md, "Preemption").
+        self.preempt_exempt_ms = round(host.cluster.preempt_exempt_s * 1000)
 
     def demand(self, device: DeviceRequest) -> Demand:
         """The job's demand here, or InvalidArgument when this backend can never run it."""
         return demand_for(self.config, device)
+
+    def running_task(self, job: JobRecord, resource: str, amount: int) -> RunningTask:
+        """``job`` as a candidate victim of ``choose_victims``, holding ``amount`` of ``resource``."""
+        return RunningTask(
+            task_id=job.job_id,
+            band=job.band,
+            amounts={resource: amount},
+            started_ms=job.started_ms or 0,
+            preempted_before=job.preemptions,
+        )
+
+    def exempt(self, job: JobRecord, at_ms: int) -> bool:
+        """Whether the running ``job`` may not be preempted at ``at_ms``: back from a preemption (or
+        a loss) less than ``preempt_exempt_s`` ago, and not already on its way out."""
+        if job.started_ms is None or job.preempted is not None or job.terminate_requested:
+            return False
+        task = self.running_task(job, "", 0)
+        return is_exempt(task, now_ms=at_ms, exempt_ms=self.preempt_exempt_ms)
 
     def capacity_report(
         self,
@@ -127,10 +148,15 @@ class Backend(ABC):
         free: dict[str, int],
         totals: dict[str, int],
         running: Iterable[JobRecord],
+        *,
+        at_ms: int | None = None,
     ) -> BackendReport:
         """The capacity report (docs/DESIGN.md, "Capacity reports"): free and total chips per token,
-        and what the ``running`` jobs hold, by band (CPU jobs hold no chips)."""
+        what the ``running`` jobs hold, by band (CPU jobs hold no chips), and the part of it exempt
+        from preemption at ``at_ms`` (default: now), which no band may reclaim yet."""
+        at_ms = now_ms() if at_ms is None else at_ms
         held: dict[Band, dict[str, int]] = {}
+        exempt: dict[Band, dict[str, int]] = {}
         for job in running:
             try:
                 demand = self.demand(job.device)
@@ -138,8 +164,9 @@ class Backend(ABC):
                 continue
             if demand.is_cpu:
                 continue
-            by_token = held.setdefault(job.band, {})
-            by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
+            for table in (held, exempt) if self.exempt(job, at_ms) else (held,):
+                by_token = table.setdefault(job.band, {})
+                by_token[demand.resource] = by_token.get(demand.resource, 0) + demand.total
         return BackendReport(
             backend_id=self.config.id,
             advertised_attributes=self.config.attributes,
@@ -148,6 +175,7 @@ class Backend(ABC):
                 amounts=free,
                 total_amounts=totals,
                 held_by_band=[HeldByBand(band=b, amounts=a) for b, a in sorted(held.items())],
+                exempt_by_band=[HeldByBand(band=b, amounts=a) for b, a in sorted(exempt.items())],
             ),
         )
 

@@ -30,7 +30,7 @@ from iris.controller.privileges import RunAs, chown_tree, harden_state_dir, reso
 from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
-from iris.policy.preemption import RunningTask, choose_victims
+from iris.policy.preemption import RunningTask, choose_victims, is_exempt, may_preempt
 
 log = logging.getLogger("iris.controller.executor")
 
@@ -89,6 +89,16 @@ class _Run:
     killer: asyncio.Task[None] | None = None
     # The pool uid the job's sandboxes run as, held until its processes are gone.
     lease: UidLease | None = None
+
+
+def _with_cpu(entries: list[HeldByBand], slots: dict[Band, int]) -> list[HeldByBand]:
+    """``entries`` (chips by band) with the CPU slots of ``slots`` added as the ``cpu`` token."""
+    if not slots:
+        return entries
+    by_band = {h.band: dict(h.amounts) for h in entries}
+    for band, n in slots.items():
+        by_band.setdefault(band, {})[CPU_RESOURCE] = n
+    return [HeldByBand(band=b, amounts=a) for b, a in sorted(by_band.items())]
 
 
 def _queue_order(job: JobRecord) -> tuple[int, int]:
@@ -231,6 +241,9 @@ class ProcessBackend(Backend):
         self._runs: dict[str, _Run] = {}
         self._leftovers = LeftoverSweeper()
         self._closing = False
+        # A queue head that waits only because lower-band runs are exempt from preemption is
+        # scheduled again when the first exemption ends (no other event may come).
+        self._exemption_ends: asyncio.TimerHandle | None = None
         # Who the jobs run as; the state dir's modes follow (docs/DESIGN.md, "Job → controller").
         # In the sandbox, each job runs as a uid of the cluster's pool and sees its own working
         # directory by a bind: run_as is the fallback of a host that cannot sandbox
@@ -304,10 +317,15 @@ class ProcessBackend(Backend):
         free[CPU_RESOURCE] = max(0, self.cpu_free - self.pending(CPU_RESOURCE))
         totals[CPU_RESOURCE] = self.config.cpu_slots
         running = [run.job for run in self._runs.values()]
-        report = self.capacity_report(self.observed_ms, free=free, totals=totals, running=running)
+        at_ms = now_ms()
+        report = self.capacity_report(
+            self.observed_ms, free=free, totals=totals, running=running, at_ms=at_ms
+        )
         report.sandbox = self.sandbox.status
-        # capacity_report counts device chips only; running CPU jobs hold their slots by band too.
+        # capacity_report counts device chips only; running CPU jobs hold their slots by band too
+        # (and exempt ones hold them beyond reclaim, like chips).
         cpu_held: dict[Band, int] = {}
+        cpu_exempt: dict[Band, int] = {}
         for job in running:
             try:
                 demand = self.demand(job.device)
@@ -315,18 +333,19 @@ class ProcessBackend(Backend):
                 continue
             if demand.is_cpu:
                 cpu_held[job.band] = cpu_held.get(job.band, 0) + demand.replicas
-        if cpu_held and report.availability is not None:
-            held = {h.band: dict(h.amounts) for h in report.availability.held_by_band}
-            for band, slots in cpu_held.items():
-                held.setdefault(band, {})[CPU_RESOURCE] = slots
-            report.availability.held_by_band = [
-                HeldByBand(band=b, amounts=a) for b, a in sorted(held.items())
-            ]
+                if self.exempt(job, at_ms):
+                    cpu_exempt[job.band] = cpu_exempt.get(job.band, 0) + demand.replicas
+        block = report.availability
+        if block is not None:
+            block.held_by_band = _with_cpu(block.held_by_band, cpu_held)
+            block.exempt_by_band = _with_cpu(block.exempt_by_band, cpu_exempt)
         return report
 
     async def shutdown(self) -> None:
         """Stop every running job (they cannot outlive their controller unobserved)."""
         self._closing = True
+        if self._exemption_ends is not None:
+            self._exemption_ends.cancel()
         runs = list(self._runs.items())
         for job_id, run in runs:
             log.info("job %s: stopping because the controller shuts down", job_id)
@@ -386,19 +405,20 @@ class ProcessBackend(Backend):
             if run.job.preempted is not None or run.job.terminate_requested:
                 free += held.total  # on its way out
                 continue
-            candidates.append(
-                RunningTask(
-                    task_id=run.job.job_id,
-                    band=run.job.band,
-                    amounts={resource: held.total},
-                    started_ms=run.job.started_ms or 0,
-                    preempted_before=run.job.preemptions,
-                )
-            )
-        victims = choose_victims(job.band, {resource: demand.total}, {resource: free}, candidates)
+            candidates.append(self.running_task(run.job, resource, held.total))
+        at_ms = now_ms()
+        victims = choose_victims(
+            job.band,
+            {resource: demand.total},
+            {resource: free},
+            candidates,
+            now_ms=at_ms,
+            exempt_ms=self.preempt_exempt_ms,
+        )
+        if victims is None:
+            self._schedule_at_exemption_end(job.band, candidates, at_ms)
         if not victims:
             return
-        at_ms = now_ms()
         for victim in victims:
             run = self._runs[victim.task_id]
             # Recorded before the first signal: a controller that restarts during the grace still
@@ -416,6 +436,33 @@ class ProcessBackend(Backend):
                 self.preempt_grace_s,
             )
             self._kill_run(run.job, run, grace_s=self.preempt_grace_s)
+
+    def _schedule_at_exemption_end(self, band: Band, candidates: list[RunningTask], at_ms: int) -> None:
+        """Run ``_schedule`` again when the first exemption among ``candidates`` a job of ``band``
+        could preempt ends: then they may make room, and no start or end may come before."""
+        ends = [
+            c.started_ms + self.preempt_exempt_ms
+            for c in candidates
+            if may_preempt(band, c.band) and is_exempt(c, now_ms=at_ms, exempt_ms=self.preempt_exempt_ms)
+        ]
+        if not ends:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (recovery): the next event schedules
+            return
+        # Wall-clock ms to the loop's clock, with a margin so the exemption has ended by then.
+        when = loop.time() + max(0.01, (min(ends) - at_ms) / 1000 + 0.005)
+        timer = self._exemption_ends
+        if timer is not None and not timer.cancelled() and timer.when() <= when:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._exemption_ends = loop.call_at(when, self._exemption_ended)
+
+    def _exemption_ended(self) -> None:
+        self._exemption_ends = None
+        self._schedule()
 
     def _start(self, job: JobRecord, demand: Demand) -> None:
         # Allocation and the RUNNING record happen before any await: no other launch can interleave.

@@ -616,17 +616,16 @@ class RayBackend(Backend):
                 continue
             held += theirs.total
             if other.state is ControllerJobState.RUNNING:
-                candidates.append(
-                    RunningTask(
-                        task_id=other.job_id,
-                        band=other.band,
-                        amounts={token: theirs.total},
-                        started_ms=other.started_ms or 0,
-                        preempted_before=other.preemptions,
-                    )
-                )
+                candidates.append(self.running_task(other, token, theirs.total))
         free = max(0, self._totals.get(token, 0) - held)
-        victims = choose_victims(job.band, {token: demand.total}, {token: free}, candidates)
+        victims = choose_victims(
+            job.band,
+            {token: demand.total},
+            {token: free},
+            candidates,
+            now_ms=now_ms(),
+            exempt_ms=self.preempt_exempt_ms,
+        )
         if not victims:
             return
         at_ms = now_ms()

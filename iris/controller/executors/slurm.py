@@ -828,16 +828,15 @@ class SlurmBackend(Backend):
             if other.preempted is not None or other.terminate_requested or tracked.timed_out:
                 free += theirs.total  # on its way out
                 continue
-            candidates.append(
-                RunningTask(
-                    task_id=other.job_id,
-                    band=other.band,
-                    amounts={token: theirs.total},
-                    started_ms=other.started_ms or 0,
-                    preempted_before=other.preemptions,
-                )
-            )
-        victims = choose_victims(job.band, {token: demand.total}, {token: max(0, free)}, candidates)
+            candidates.append(self.running_task(other, token, theirs.total))
+        victims = choose_victims(
+            job.band,
+            {token: demand.total},
+            {token: max(0, free)},
+            candidates,
+            now_ms=now_ms(),
+            exempt_ms=self.preempt_exempt_ms,
+        )
         if not victims:
             return
         at_ms = now_ms()
