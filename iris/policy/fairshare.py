@@ -40,7 +40,7 @@ from iris.policy.models import Band, FairShare, JobShape, PeerReport
 
 def account(job: JobShape) -> str:
     """Whose share a job counts against: its user, else its job id's first segment."""
-    return job.user or job.job_id.split("/", 1)[0]
+    return job.user or job.job_id.partition("/")[0]
 
 
 def devices(job: JobShape) -> int:
@@ -189,52 +189,86 @@ class Turns:
     with each user's share read when the turn comes (``Shares.charge`` between turns moves it).
 
     One entry per (band, user) lane in a heap; a user's share only grows within a tick, so an entry
-    keyed with an older share sorts no later than it should: it is re-keyed when it comes up.
+    keyed with an older share sorts no later than it should: it is re-keyed when it comes up. (The
+    key is :meth:`Shares.key`, written out here: this runs once per queued job every tick.)
     """
 
-    __slots__ = ("heap", "lanes", "shares")
+    __slots__ = ("heap", "horizon", "shares")
 
     def __init__(self, jobs: Iterable[tuple[JobShape, str]], shares: Shares) -> None:
         self.shares = shares
-        lanes: dict[tuple[Band, str], list[JobShape]] = {}
-        # Each lane newest first, so its next job is popped from the end.
-        for job, user in sorted(jobs, key=lambda item: (item[0].submit_ms, item[0].job_id), reverse=True):
-            lanes.setdefault((job.band, user), []).append(job)
-        self.lanes = lanes
-        self.heap: list[tuple[Band, float, int, str, str, int]] = []
-        for (band, user), lane in lanes.items():
-            self._push(band, user, lane[-1])
-        heapq.heapify(self.heap)
-
-    def _push(self, band: Band, user: str, job: JobShape) -> None:
-        v, submit, job_id = self.shares.key(job, user)
-        heapq.heappush(self.heap, (band, v, submit, job_id, user, self.shares.version.get(user, 0)))
+        horizon = self.horizon = shares.policy.aging_horizon_ms
+        # Job ids are unique here, so the job itself never takes part in the ordering.
+        fifo = [(job.submit_ms, job.job_id, job, user) for job, user in jobs]
+        fifo.sort(reverse=True)
+        # Each lane newest first, so its next job is popped from the end. Indexed by band first (a
+        # list: an enum member hashes in Python, which a dict key per job would pay for).
+        by_band: list[dict[str, list[JobShape]]] = [{} for _ in range(max(Band) + 1)]
+        for _, _, job, user in fifo:
+            lanes = by_band[job.band]
+            lane = lanes.get(user)
+            if lane is None:
+                lanes[user] = [job]
+            else:
+                lane.append(job)
+        version = shares.version
+        # (band, virtual submit time, submit time, job id, user, the user's share version, the
+        # horizon times that share, the lane): the last three only carry what the next key needs.
+        heap: list[tuple[Band, float, int, str, str, int, float, list[JobShape]]] = []
+        for band in Band:
+            for user, lane in by_band[band].items():
+                head = lane[-1]
+                scaled = horizon * shares.share(user)
+                seen = version.get(user, 0)
+                heap.append(
+                    (band, head.submit_ms + scaled, head.submit_ms, head.job_id, user, seen, scaled, lane)
+                )
+        heapq.heapify(heap)
+        self.heap = heap
 
     def next(self) -> tuple[JobShape, str] | None:
         """The next job and its user; None when every job has had its turn."""
         heap = self.heap
         version = self.shares.version
         while heap:
-            band, _, _, _, user, seen = heapq.heappop(heap)
-            lane = self.lanes[(band, user)]
-            if seen != version.get(user, 0):
-                self._push(band, user, lane[-1])
+            band, _, _, _, user, seen, scaled, lane = heap[0]
+            current = version.get(user, 0)
+            if seen != current:
+                # Its share grew since: the same head again, keyed with the share it has now.
+                scaled = self.horizon * self.shares.share(user)
+                head = lane[-1]
+                entry = (
+                    band,
+                    head.submit_ms + scaled,
+                    head.submit_ms,
+                    head.job_id,
+                    user,
+                    current,
+                    scaled,
+                    lane,
+                )
+                heapq.heapreplace(heap, entry)
                 continue
             job = lane.pop()
             if lane:
-                self._push(band, user, lane[-1])
+                head = lane[-1]
+                entry = (band, head.submit_ms + scaled, head.submit_ms, head.job_id, user, seen, scaled, lane)
+                heapq.heapreplace(heap, entry)
+            else:
+                heapq.heappop(heap)
             return job, user
         return None
 
 
 def unique_jobs(jobs: Iterable[JobShape]) -> list[tuple[JobShape, str]]:
-    """Each job with its account; a duplicated job id keeps its first entry."""
+    """Each job with its account (as :func:`account`); a duplicated job id keeps its first entry."""
     seen: set[str] = set()
     out: list[tuple[JobShape, str]] = []
     for job in jobs:
-        if job.job_id not in seen:
-            seen.add(job.job_id)
-            out.append((job, account(job)))
+        job_id = job.job_id
+        if job_id not in seen:
+            seen.add(job_id)
+            out.append((job, job.user or job_id.partition("/")[0]))
     return out
 
 

@@ -8,6 +8,7 @@ and the benchmark times both.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from iris.policy.availability import Capacity, PeerStatus, gate, is_verified, peer_status, working_capacity
@@ -137,17 +138,23 @@ def plan_turns(
 
     # Fair share (iris/policy/fairshare.py): whose turn is next is read from the shares as they are.
     shares = Shares(in_use, federation_totals(reports), fair_share or FairShare())
-    remaining = unique_jobs(jobs)
+    # Each user's jobs of a band in submit order: their share is the same, so its first job left
+    # is the one of them whose turn comes first.
+    lanes: dict[tuple[Band, str], deque[JobShape]] = {}
+    for job, user in sorted(unique_jobs(jobs), key=lambda item: (item[0].submit_ms, item[0].job_id)):
+        lanes.setdefault((job.band, user), deque()).append(job)
     turns: list[str] = []
 
     placements: list[Placement] = []
     expired: list[str] = []
     waiting: list[tuple[int, JobShape, str | None]] = []
     capped: list[tuple[int, JobShape, str]] = []
-    while remaining:
+    while lanes:
         # The next turn: the highest band, then the smallest (virtual submit time, submit, id).
-        job, user = min(remaining, key=lambda item: (item[0].band, shares.key(item[0], item[1])))
-        remaining.remove((job, user))
+        band, user = min(lanes, key=lambda lane: (lane[0], shares.key(lanes[lane][0], lane[1])))
+        job = lanes[(band, user)].popleft()
+        if not lanes[(band, user)]:
+            del lanes[(band, user)]
         position = len(turns)
         turns.append(job.job_id)
         if is_expired(job, now_ms):
