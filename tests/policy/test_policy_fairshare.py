@@ -4,6 +4,8 @@ aging"; iris/policy/fairshare.py).
 What is proved here, each over random inputs:
 
 - the planner and its reference agree with users, devices in use, any aging horizon and caps;
+- a job's turn never depends on the jobs after it: removing one leaves every turn before its own,
+  and what those turns placed, unchanged;
 - smaller share first: of two users' equal jobs submitted together, the one whose user holds the
   smaller dominant share has its turn first;
 - no more than a fair share while another waits: one tick, one band, equal one-chip jobs submitted
@@ -39,6 +41,7 @@ from iris.policy import Band, DeviceRequest, FairShare, JobShape, PeerReport, Qu
 from iris.policy.fairshare import Shares, account, federation_totals, fill_order
 from iris.policy.queue import dry_run, queue_positions
 from iris.policy.reasons import ReasonCode
+from iris.policy.reference import plan_turns
 
 SETTINGS = settings(max_examples=scaled(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 USERS = ("alice", "bob", "carol")
@@ -122,6 +125,34 @@ def test_planner_agrees_with_the_reference_under_fair_share(s) -> None:  # type:
     outcomes = [p.job_id for p in result.placements] + result.expired
     outcomes += [j for g in result.waiting for j in g.job_ids]
     assert sorted(outcomes) == sorted({j.job_id for j in jobs})
+
+
+@SETTINGS
+@given(fair_scenarios(), st.data())
+def test_removing_a_job_changes_nothing_for_the_jobs_whose_turn_came_before_it(s, data) -> None:  # type: ignore[no-untyped-def]
+    """A job's turn never depends on the jobs after it: the tick up to its turn is the same without it."""
+    jobs, reports, reservations, cap, in_use, policy = s
+    if not jobs:
+        return
+    args = dict(
+        home=HOME,
+        reports=reports,
+        reservations=reservations,
+        now_ms=NOW,
+        stale_after_ms=STALE,
+        max_per_peer=cap,
+        in_use=in_use,
+        fair_share=policy,
+    )
+    before, turns = plan_turns(jobs, **args)  # type: ignore[arg-type]
+    removed = data.draw(st.sampled_from(turns))
+    after, turns_after = plan_turns([j for j in jobs if j.job_id != removed], **args)  # type: ignore[arg-type]
+    cut = turns.index(removed)
+    assert turns_after[:cut] == turns[:cut]
+    ahead = set(turns[:cut])
+    assert [p for p in before.placements if p.job_id in ahead] == [
+        p for p in after.placements if p.job_id in ahead
+    ]
 
 
 def test_no_fair_share_is_the_fifo_order() -> None:
