@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from iris.policy.availability import CPU_TOKEN, gate, usable_block
-from iris.policy.models import Band, FairShare, JobShape, PeerReport
+from iris.policy.models import Band, FairShare, JobShape, PeerReport, Quotas
 
 
 def account(job: JobShape) -> str:
@@ -98,6 +98,33 @@ def quota_message(user: str, band: Band, need: int, cap: int, per_band: bool) ->
     if need > cap:
         return f"Queued: needs {need} devices, more than the cap of {cap} per user{scope}"
     return f"Queued: user {user} is at its cap of {cap} devices in use{scope} (needs {need})"
+
+
+def quota_refusal(job: JobShape, user: str, held: int, held_in_band: int, quotas: Quotas) -> str | None:
+    """Why a cap keeps ``job`` waiting while its user holds ``held`` devices (``held_in_band`` of
+    them in the job's band), or None: the overall cap first, then the band's."""
+    need = devices(job)
+    if not need:
+        return None
+    overall = quotas.max_devices_per_user
+    if overall is not None and held + need > overall:
+        return quota_message(user, job.band, need, overall, per_band=False)
+    cap = quotas.cap(job.band)
+    if cap is not None and held_in_band + need > cap:
+        return quota_message(user, job.band, need, cap, per_band=True)
+    return None
+
+
+def held_devices(in_use: Iterable[JobShape]) -> dict[str, dict[Band, int]]:
+    """Per user, the devices its jobs in ``in_use`` hold, by band (what a cap counts); users
+    holding none are left out. A duplicated job id counts once."""
+    out: dict[str, dict[Band, int]] = {}
+    for job, user in unique_jobs(in_use):
+        n = devices(job)
+        if n:
+            per_band = out.setdefault(user, {})
+            per_band[job.band] = per_band.get(job.band, 0) + n
+    return out
 
 
 class Shares:
@@ -165,16 +192,8 @@ class Shares:
         quotas = self.policy.quotas
         if not quotas.any:
             return None
-        need = devices(job)
-        if not need:
-            return None
-        overall = quotas.max_devices_per_user
-        if overall is not None and self.devices.get(user, 0) + need > overall:
-            return quota_message(user, job.band, need, overall, per_band=False)
-        cap = quotas.cap(job.band)
-        if cap is not None and self.band_devices.get((user, job.band), 0) + need > cap:
-            return quota_message(user, job.band, need, cap, per_band=True)
-        return None
+        held = self.devices.get(user, 0)
+        return quota_refusal(job, user, held, self.band_devices.get((user, job.band), 0), quotas)
 
     def charge(self, job: JobShape, user: str) -> None:
         """A placement of ``job`` this tick: its user holds its devices from now on."""

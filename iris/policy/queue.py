@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from iris.policy.availability import gate
 from iris.policy.classify import classify
 from iris.policy.explain import no_shape_message
-from iris.policy.fairshare import account, fill_order
+from iris.policy.fairshare import account, fill_order, held_devices
 from iris.policy.models import (
     BackendReport,
     Band,
@@ -237,6 +237,8 @@ def dry_run(
         stale_after_ms=stale_after_ms,
         configured=configured,
         reservations=reservations,
+        held=held_devices(in_use),
+        quotas=(fair_share or FairShare()).quotas,
     )
     # The queue it would join, in the planner's order: the jobs before it are those ahead.
     order = fill_order([*queue, job], in_use=in_use, reports=reports, policy=fair_share)

@@ -37,7 +37,18 @@ from pydantic import ValidationError
 from test_policy_properties import HOME, federations, job_shapes
 
 from iris.config import QuotasConfig
-from iris.policy import Band, DeviceRequest, FairShare, JobShape, PeerReport, Quotas, plan, plan_reference
+from iris.policy import (
+    Band,
+    DeviceRequest,
+    Disposition,
+    FairShare,
+    JobShape,
+    PeerReport,
+    Quotas,
+    classify,
+    plan,
+    plan_reference,
+)
 from iris.policy.fairshare import Shares, account, federation_totals, fill_order
 from iris.policy.queue import dry_run, queue_positions
 from iris.policy.reasons import ReasonCode
@@ -424,3 +435,40 @@ def test_dry_run_pinned_copies_do_not_spend_each_others_cap() -> None:
         in_use=[one_chip("alice/run", n=4)],
     )
     assert capped.placement is None and capped.code is ReasonCode.UserQuota
+
+
+def test_a_job_home_could_run_at_once_is_queued_when_its_user_is_at_a_cap() -> None:
+    quotas = Quotas(max_devices_per_user=8)
+    reports = [peer(HOME, h100("b0", 16))]
+    job = one_chip("alice/next", n=4)
+
+    def classified(held: dict[str, dict[Band, int]], pin: str | None = None):  # type: ignore[no-untyped-def]
+        shape = job.model_copy(update={"target_cluster": pin})
+        return classify(
+            shape, home=HOME, reports=reports, now_ms=NOW, stale_after_ms=STALE, held=held, quotas=quotas
+        )
+
+    assert classified({}).disposition is Disposition.LOCAL
+    assert classified({"alice": {Band.INTERACTIVE: 4}}).disposition is Disposition.LOCAL
+    capped = classified({"alice": {Band.INTERACTIVE: 6}})
+    assert (
+        capped.disposition is Disposition.QUEUE and capped.pinned_cluster is None and capped.placement is None
+    )
+    assert capped.reason == "Queued: user alice is at its cap of 8 devices in use (needs 4)"
+    pinned = classified({"alice": {Band.BATCH: 6}}, pin=HOME)
+    assert pinned.disposition is Disposition.QUEUE and pinned.pinned_cluster == HOME
+    # Another user's devices are not alice's.
+    assert classified({"bob": {Band.BATCH: 16}}).disposition is Disposition.LOCAL
+    # The dry-run says the same, and the tick's code for the wait.
+    report = dry_run(
+        job,
+        home=HOME,
+        reports=reports,
+        queue=[],
+        now_ms=NOW,
+        stale_after_ms=STALE,
+        in_use=[one_chip("alice/run", n=6)],
+        fair_share=FairShare(quotas=quotas),
+    )
+    assert report.disposition is Disposition.QUEUE and report.placement is None
+    assert report.code is ReasonCode.UserQuota
