@@ -38,7 +38,16 @@ class InquiryActivities:
     @activity.defn(name=contract.READ_QUEUE_POSITIONS)
     async def read_queue_positions(self, inp: PositionsRequest) -> PositionsAnswer:
         queued = await asyncio.to_thread(self._store.queued)
-        positions = queue_positions([h.shape for h in queued], inp.job_ids)
+        # What the tick's fair share reads besides the queue (docs/DESIGN.md, "Fair share and aging").
+        in_use = await asyncio.to_thread(self._store.in_use)
+        reports = await asyncio.to_thread(self._store.load_reports)
+        positions = queue_positions(
+            [h.shape for h in queued],
+            inp.job_ids,
+            in_use=in_use,
+            reports=reports,
+            fair_share=self._config.fair_share(),
+        )
         return PositionsAnswer(positions=positions, queued=len(queued), at_ms=int(time.time() * 1000))
 
     @activity.defn(name=contract.PLAN_DRY_RUN)
@@ -47,6 +56,7 @@ class InquiryActivities:
         reports = await asyncio.to_thread(store.load_reports)
         reservations = await asyncio.to_thread(store.reservations)
         queued = await asyncio.to_thread(store.queued)
+        in_use = await asyncio.to_thread(store.in_use)
         config = self._config
         # Every configured cluster is judged, reported yet or not (a peer never reached since the
         # store was created has no stored report: it counts as unreachable).
@@ -74,4 +84,6 @@ class InquiryActivities:
             now_ms=int(time.time() * 1000),
             stale_after_ms=config.stale_after_ms,
             max_per_peer=config.max_per_peer_per_tick,
+            in_use=in_use,
+            fair_share=config.fair_share(),
         )

@@ -24,6 +24,7 @@ from iris.controller.models import ErrorCode, LaunchRequest
 from iris.controller.models import JobStatus as ControllerJobStatus
 from iris.logrelay import LogRelay
 from iris.objectstore import StoreError, StoreUnavailable, open_store
+from iris.policy.fairshare import held_devices
 from iris.policy.models import PeerReport
 from iris.reports import FederationView, gather_reports
 from iris.store import FederationStore
@@ -182,7 +183,13 @@ class PeerActivities:
             return view
         store = self._store
         reservations, stored = await asyncio.to_thread(lambda: (store.reservations(), store.load_reports()))
-        return view.model_copy(update={"reservations": reservations, "reports": _last_contacts(view, stored)})
+        update: dict[str, object] = {"reservations": reservations, "reports": _last_contacts(view, stored)}
+        quotas = self._config.quotas.policy()
+        if quotas.any:
+            # Only with a cap set: the devices each user holds, for classification's check.
+            update["quotas"] = quotas
+            update["held"] = held_devices(await asyncio.to_thread(store.in_use))
+        return view.model_copy(update=update)
 
     async def _read_reports(self) -> FederationView:
         view = await gather_reports(self._config, timeout_s=self._timeout)

@@ -349,9 +349,13 @@ class PlacementActivities:
         await asyncio.to_thread(store.prune_reservations, reports)
         queued = await asyncio.to_thread(store.queued)
         reservations = await asyncio.to_thread(store.reservations)
+        # The jobs holding devices, whose users' fair share and caps the plan counts: promoted or
+        # handed off, and those offered a placement not yet answered (still queued in the store).
+        holding = await asyncio.to_thread(store.in_use)
         offered = self._outstanding([h.job_id for h in queued])
         held = [r for p in offered.values() if (r := p.reservation()) is not None]
         planned = [h.shape for h in queued if h.job_id not in offered]
+        holding += [h.shape for h in queued if h.job_id in offered]
         t0 = time.perf_counter()
         result = plan_request(
             PlanRequest(
@@ -362,6 +366,8 @@ class PlacementActivities:
                 now_ms=now_ms,
                 stale_after_ms=view.stale_after_ms,
                 max_per_peer=inp.max_per_peer,
+                in_use=holding,
+                fair_share=self._config.fair_share(),
             )
         )
         plan_ms = (time.perf_counter() - t0) * 1000

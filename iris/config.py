@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from iris.defaults import DEFAULT_DATA_DIR as DEFAULT_DATA_DIR
 from iris.defaults import PROJECT_ROOT as PROJECT_ROOT
+from iris.policy.models import Band, FairShare, Quotas
 from iris.userkeys import parse_public_key
 
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
@@ -407,6 +408,35 @@ class TelemetryConfig(BaseModel):
         return value
 
 
+class QuotasConfig(BaseModel):
+    """Per-user caps on devices in use (docs/DESIGN.md, "Fair share and aging"): a job that would
+    take its user past one waits with the reason code ``UserQuota``. Devices are accelerator chips
+    (``count × replicas`` of a GPU or TPU job, whatever the variant); CPU jobs are not capped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The most devices one user's jobs may hold at once, all bands together; unset: no cap.
+    max_devices_per_user: int | None = Field(default=None, ge=1)
+    # The most devices one user's jobs of a band may hold at once, e.g. {batch = 16}; none by default.
+    per_band: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("per_band")
+    @classmethod
+    def _bands(cls, value: dict[str, int]) -> dict[str, int]:
+        for band, cap in value.items():
+            if band not in _BANDS:
+                raise ValueError(f"unknown band {band!r} (one of {', '.join(_BANDS)})")
+            if cap < 1:
+                raise ValueError(f"the cap of band {band} must be at least 1")
+        return value
+
+    def policy(self) -> Quotas:
+        return Quotas(
+            max_devices_per_user=self.max_devices_per_user,
+            per_band={Band.parse(band): cap for band, cap in self.per_band.items()},
+        )
+
+
 class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
@@ -427,6 +457,12 @@ class FederationConfig(BaseModel):
     # send to one peer.
     tick_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_per_peer_per_tick: int | None = Field(default=8, ge=1)
+    # Fair share and aging within a band (docs/DESIGN.md, "Fair share and aging"): a user's jobs go
+    # as if submitted later by this × their dominant share of the devices in use (0 to 1), so a job
+    # goes ahead of every job of its band submitted more than this after it. 0: FIFO in a band.
+    aging_horizon_s: float = Field(default=600.0, ge=0, le=7 * 86_400)
+    # Per-user caps on devices in use (`[quotas]`); none by default.
+    quotas: QuotasConfig = QuotasConfig()
     # Mirroring (docs/DESIGN.md, "The change feed"): one watcher per cluster long-polls its change
     # feed and signals each changed job (and re-signals every running job every 30 minutes); a
     # running job also asks its cluster itself this often (the safety poll, which also refreshes
@@ -459,6 +495,10 @@ class FederationConfig(BaseModel):
         if self.parked_probe_max_s < self.parked_probe_first_s:
             raise ValueError("parked_probe_max_s must be at least parked_probe_first_s")
         return self
+
+    def fair_share(self) -> FairShare:
+        """The tick's fair-share settings (iris/policy/fairshare.py)."""
+        return FairShare(aging_horizon_ms=round(self.aging_horizon_s * 1000), quotas=self.quotas.policy())
 
     def cluster(self, name: str) -> ClusterConfig:
         for c in self.clusters:

@@ -389,6 +389,8 @@ class JobSpec(BaseModel):
             target_cluster=self.target_cluster,
             submit_ms=self.submit_ms,
             deadline_ms=deadline,
+            # Verified against the signature before the job reaches the queue (authenticate).
+            user=self.user,
         )
 
     @property

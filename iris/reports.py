@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from iris.config import ClusterConfig, ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError
-from iris.policy.models import BackendReport, PeerReport, Reservation
+from iris.policy.models import BackendReport, Band, PeerReport, Quotas, Reservation
 
 
 class FederationView(BaseModel):
@@ -41,6 +41,12 @@ class FederationView(BaseModel):
     # The federation store's confirmed reservations when the view was read: classification counts
     # home capacity another job has just taken (docs/DESIGN.md, "The ledger").
     reservations: list[Reservation] = []
+    # The per-user caps on devices in use (config `[quotas]`), and, when any is set, the devices
+    # each user's jobs hold by band (promoted or handed off): a job that would run at home at once
+    # past its user's cap is queued instead (docs/DESIGN.md, "Fair share and aging"). A view
+    # recorded without them reads back as no cap.
+    quotas: Quotas = Quotas()
+    held: dict[str, dict[Band, int]] = {}
 
     def report(self, cluster: str) -> PeerReport | None:
         return next((r for r in self.reports if r.peer_id == cluster), None)

@@ -33,14 +33,17 @@ from iris.policy.availability import (
     working_capacity,
 )
 from iris.policy.explain import QUEUED_REASON, queued_for_peer_reason
+from iris.policy.fairshare import account, quota_refusal
 from iris.policy.models import (
     BackendReport,
+    Band,
     Classification,
     Constraint,
     Disposition,
     JobShape,
     PeerReport,
     Placement,
+    Quotas,
     Reservation,
 )
 from iris.policy.reasons import ReasonCode
@@ -214,9 +217,16 @@ def classify(
     reservations: Sequence[Reservation] = (),
     configured: Mapping[str, Sequence[BackendReport]] | None = None,
     reject_too_large: bool = True,
+    held: Mapping[str, Mapping[Band, int]] | None = None,
+    quotas: Quotas | None = None,
 ) -> Classification:
     """Classify a root job at submit (docs/DESIGN.md, "Classification"); ``reports`` has one entry
     per cluster, home included.
+
+    ``held`` and ``quotas``: the devices each user's jobs hold, by band, and the per-user caps
+    (docs/DESIGN.md, "Fair share and aging"). A job that would run at home at once but would take its
+    user past a cap is queued instead (pinned home if it was), where the tick holds it with
+    ``UserQuota``: running at home never bypasses a cap.
 
     ``configured`` holds clusters' backends as configured, used only for a cluster whose live report
     is not OK (it says which shapes exist there, never what is free). ``reservations`` is the
@@ -226,6 +236,31 @@ def classify(
 
     A LOCAL decision has ``placement`` set (see :func:`local_placement`), to be promoted by the CAS.
     """
+    decision = _classify(
+        job, home, reports, now_ms, stale_after_ms, reservations, configured, reject_too_large
+    )
+    if decision.disposition is not Disposition.LOCAL or quotas is None or not quotas.any:
+        return decision
+    user = account(job)
+    mine = (held or {}).get(user, {})
+    refusal = quota_refusal(job, user, sum(mine.values()), mine.get(job.band, 0), quotas)
+    if refusal is None:
+        return decision
+    return Classification(
+        disposition=Disposition.QUEUE, pinned_cluster=decision.pinned_cluster, reason=refusal
+    )
+
+
+def _classify(
+    job: JobShape,
+    home: str,
+    reports: Sequence[PeerReport],
+    now_ms: int,
+    stale_after_ms: int,
+    reservations: Sequence[Reservation],
+    configured: Mapping[str, Sequence[BackendReport]] | None,
+    reject_too_large: bool,
+) -> Classification:
     configured = configured or {}
     by_id = {r.peer_id: r for r in reports}
     known = sorted(by_id)

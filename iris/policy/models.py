@@ -8,6 +8,7 @@ Pure data: no I/O, no temporalio. The same models travel through Temporal payloa
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -140,6 +141,9 @@ class JobShape(BaseModel):
     target_cluster: str | None = None
     submit_ms: int = 0
     deadline_ms: int | None = None
+    # Who submitted it (the spec's user, which the workflow verifies against the signature); ""
+    # in shapes stored before it was kept: the fair share then counts the job id's first segment.
+    user: str = ""
 
 
 class Disposition(StrEnum):
@@ -260,6 +264,37 @@ class WaitingGroup(BaseModel):
     verdicts: list[PeerVerdict] = Field(default_factory=list)
 
 
+DEFAULT_AGING_HORIZON_MS = 600_000
+
+
+class Quotas(BaseModel):
+    """Per-user caps on devices in use; None (the default) caps nothing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    max_devices_per_user: int | None = Field(default=None, ge=1)
+    # A cap per band (what the user's jobs of that band hold), besides the overall one.
+    per_band: dict[Band, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+
+    def cap(self, band: Band) -> int | None:
+        return self.per_band.get(band)
+
+    @property
+    def any(self) -> bool:
+        return self.max_devices_per_user is not None or bool(self.per_band)
+
+
+class FairShare(BaseModel):
+    """The fair-share settings of one tick (docs/DESIGN.md, "Fair share and aging"; from
+    iris/config.py's ``aging_horizon_s`` and ``[quotas]``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # The most a user's share can delay its jobs (a user holding every device: this much); 0 = FIFO.
+    aging_horizon_ms: int = Field(default=DEFAULT_AGING_HORIZON_MS, ge=0)
+    quotas: Quotas = Quotas()
+
+
 class PlanRequest(BaseModel):
     """Everything one tick decides on: the queue, the last reports and the ledger."""
 
@@ -270,6 +305,10 @@ class PlanRequest(BaseModel):
     now_ms: int
     stale_after_ms: int = Field(ge=0)
     max_per_peer: int | None = Field(default=None, ge=1)
+    # The jobs holding devices now (promoted or handed off, or offered a placement): what each
+    # user's fair share and caps count.
+    in_use: list[JobShape] = Field(default_factory=list)
+    fair_share: FairShare = FairShare()
 
 
 class PlanResult(BaseModel):

@@ -1,6 +1,8 @@
 """The placement tick (docs/DESIGN.md, "The tick"): a pure function of (queue, reports, ledger).
 
-Jobs go in (band, submit time) order; each takes the best (peer, backend) by: verified capacity
+Jobs take their turns band by band, and within a band in fair-share order (iris/policy/fairshare.py:
+by virtual submit time, each user's share read as its turn comes; a user at its cap waits with
+``UserQuota``); each takes the best (peer, backend) by: verified capacity
 before shape-only, idle before preempting, home before peers, tightest fit, peer id, backend id.
 Capacity taken is charged at once, so one tick never double-books; a job that fits nowhere is
 skipped, not blocking the queue. :mod:`iris.policy.reference` states the same rules in a few loops;
@@ -41,9 +43,11 @@ from iris.policy.explain import (
     unknown_peer_message,
     unreachable_message,
 )
+from iris.policy.fairshare import Shares, Turns, federation_totals, unique_jobs
 from iris.policy.models import (
     Band,
     Constraint,
+    FairShare,
     JobShape,
     Op,
     PeerReport,
@@ -540,6 +544,8 @@ def plan(
     now_ms: int,
     stale_after_ms: int,
     max_per_peer: int | None = None,
+    in_use: Sequence[JobShape] = (),
+    fair_share: FairShare | None = None,
 ) -> PlanResult:
     """Decide this tick's placements; see the module docstring for the rules.
 
@@ -547,7 +553,9 @@ def plan(
     for older observations are ignored). A pinned job is only placed on its peer, force-routed
     there (``backend_id == ""``, nothing reserved) when that peer advertises no backend of its
     shape. Jobs whose ``deadline_ms`` has been reached are returned in ``expired``, never placed.
-    A job id listed twice keeps its first entry.
+    A job id listed twice keeps its first entry. ``in_use`` are the jobs holding devices now, what
+    each user's fair share and caps count (:mod:`iris.policy.fairshare`); ``fair_share`` its
+    settings (default: :class:`FairShare`'s).
     """
     # A tick allocates a few objects per queued job. On a 50k-job queue a cyclic collection in the
     # middle of it scans the whole queue and can double the tick, so collection waits until after.
@@ -555,7 +563,17 @@ def plan(
     if collecting:
         gc.disable()
     try:
-        return _plan(jobs, home, reports, reservations, now_ms, stale_after_ms, max_per_peer)
+        return _plan(
+            jobs,
+            home,
+            reports,
+            reservations,
+            now_ms,
+            stale_after_ms,
+            max_per_peer,
+            in_use,
+            fair_share or FairShare(),
+        )
     finally:
         if collecting:
             gc.enable()
@@ -569,34 +587,36 @@ def _plan(
     now_ms: int,
     stale_after_ms: int,
     max_per_peer: int | None,
+    in_use: Sequence[JobShape],
+    policy: FairShare,
 ) -> PlanResult:
     tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer)
+    shares = Shares(in_use, federation_totals(reports), policy)
+    turns = Turns(unique_jobs(jobs), shares)
+    capping = policy.quotas.any
 
-    seen: set[str] = set()
-    unique: list[JobShape] = []
-    order: list[tuple[int, int, str, int]] = []
-    for job in jobs:
-        job_id = job.job_id
-        if job_id in seen:
-            continue
-        seen.add(job_id)
-        # Job ids are unique here, so the index never takes part in the ordering.
-        order.append((job.band, job.submit_ms, job_id, len(unique)))
-        unique.append(job)
-    order.sort()
-
+    # The job ids in the order their turns came (a waiting job's queue position indexes it).
+    order: list[str] = []
     placements: list[Placement] = []
     expired: list[str] = []
     # Queue positions of the jobs left waiting, by what they wait for.
     waiting: dict[tuple[int, Band, int, str | None], list[int]] = {}
+    # Queue positions of the jobs a user's cap holds back, by the cap's message.
+    capped: dict[str, list[int]] = {}
     # Per shape, the class and whether the gate counts replicas (``cpu``) rather than chips.
     shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], tuple[_Class, bool]] = {}
     pins: dict[str, str | None] = {}
-    for position, (_, _, job_id, index) in enumerate(order):
-        job = unique[index]
+    while (turn := turns.next()) is not None:
+        job, user = turn
+        job_id = job.job_id
+        position = len(order)
+        order.append(job_id)
         deadline = job.deadline_ms
         if deadline is not None and now_ms >= deadline:
             expired.append(job_id)
+            continue
+        if capping and (refusal := shares.refusal(job, user)) is not None:
+            capped.setdefault(refusal, []).append(position)
             continue
         device = job.device
         shape_key = (job.constraints, device.type, device.variant, device.count > 0)
@@ -635,6 +655,7 @@ def _plan(
         peer_id = pin if b is None else b.peer_id
         assert peer_id is not None
         tick.charge(peer_id, b, cls.token, need, band)
+        shares.charge(job, user)
         verified = b is not None and is_verified(b.cap, cls.token)
         reserved = {cls.token: need} if verified and cls.token is not None else {}
         shape_rank = 2 if b is None else (0 if verified else 1)
@@ -664,10 +685,15 @@ def _plan(
             merged[merge_key] = (list(members), group)
         else:
             entry[0].extend(members)
+    for summary, members in capped.items():
+        merged[(summary, ReasonCode.UserQuota, ())] = (
+            members,
+            WaitingGroup(job_ids=[], summary=summary, code=ReasonCode.UserQuota, verdicts=[]),
+        )
     groups: list[tuple[int, WaitingGroup]] = []
     for members, group in merged.values():
         members.sort()
-        group.job_ids = [order[position][2] for position in members]
+        group.job_ids = [order[position] for position in members]
         groups.append((members[0], group))
     groups.sort(key=lambda item: item[0])
     return PlanResult(placements=placements, expired=expired, waiting=[group for _, group in groups])
@@ -683,4 +709,6 @@ def plan_request(request: PlanRequest) -> PlanResult:
         now_ms=request.now_ms,
         stale_after_ms=request.stale_after_ms,
         max_per_peer=request.max_per_peer,
+        in_use=request.in_use,
+        fair_share=request.fair_share,
     )

@@ -1,8 +1,9 @@
 """The queue as one job sees it (docs/DESIGN.md, "Queue position and dry-run"): pure functions.
 
 ``queue_positions``: where each queued job stands among the jobs competing for the same shape, in
-the order the planner takes them (band, then submit time, then job id: ``reference.queue_order``,
-the order :func:`iris.policy.planner.plan` is held to). Jobs compete for the same shape when the
+the order the planner takes them when each is placed in turn (bands, then fair share within a band:
+:func:`iris.policy.fairshare.fill_order`, the order :func:`iris.policy.planner.plan` follows while
+every job it meets is placed). Jobs compete for the same shape when the
 planner puts them in one class: the same routing constraints and the same gate token (a GPU
 variant, ``cpu``, or none), whatever their counts, bands or pins.
 
@@ -21,11 +22,13 @@ from pydantic import BaseModel, Field
 from iris.policy.availability import gate
 from iris.policy.classify import classify
 from iris.policy.explain import no_shape_message
+from iris.policy.fairshare import account, fill_order, held_devices
 from iris.policy.models import (
     BackendReport,
     Band,
     Constraint,
     Disposition,
+    FairShare,
     JobShape,
     PeerReport,
     Placement,
@@ -34,7 +37,7 @@ from iris.policy.models import (
 )
 from iris.policy.planner import plan
 from iris.policy.reasons import ReasonCode
-from iris.policy.reference import peer_order, queue_order
+from iris.policy.reference import peer_order
 from iris.policy.routing import job_constraints, normalize_attributes, pinned_cluster
 
 # The planner's class of a job: its routing constraints and its gate token ("" when ungated).
@@ -62,7 +65,8 @@ class QueuePosition(BaseModel):
     position: int = Field(ge=1)
     # Jobs competing for the same shape, this one included.
     of: int = Field(ge=1)
-    # Of the jobs ahead of it, those in a higher band (the rest were submitted earlier in its band).
+    # Of the jobs ahead of it, those in a higher band (the rest come before it in its band's
+    # fair-share order).
     ahead_in_higher_bands: int = 0
     shape: str
     # The job's band, by name (production, interactive, batch).
@@ -79,12 +83,19 @@ class QueuePosition(BaseModel):
 
 
 def queue_positions(
-    jobs: Sequence[JobShape], job_ids: Iterable[str] | None = None
+    jobs: Sequence[JobShape],
+    job_ids: Iterable[str] | None = None,
+    *,
+    in_use: Sequence[JobShape] = (),
+    reports: Sequence[PeerReport] = (),
+    fair_share: FairShare | None = None,
 ) -> dict[str, QueuePosition]:
     """Each job's position among those competing for its shape; only ``job_ids`` if given (a job
-    id not in the queue is left out). A duplicated job id keeps its first entry, as in the planner."""
+    id not in the queue is left out). A duplicated job id keeps its first entry, as in the planner.
+    ``in_use``, ``reports`` and ``fair_share`` are what the tick's fair share reads (the jobs
+    holding devices, the reports whose totals the shares divide by, the settings)."""
     wanted = None if job_ids is None else set(job_ids)
-    ordered = queue_order(jobs)
+    ordered = fill_order(jobs, in_use=in_use, reports=reports, policy=fair_share)
     # The key is a function of these (as the planner's shape cache): computed once per shape.
     cache: dict[tuple[tuple[Constraint, ...], str, str, bool], CompetingKey] = {}
     keys: list[CompetingKey] = []
@@ -171,7 +182,12 @@ class DryRun(BaseModel):
 
 
 def _shape_copy(job: JobShape, suffix: str, pin: str | None) -> JobShape:
-    return job.model_copy(update={"job_id": f"{job.job_id}{_COPY}{suffix}", "target_cluster": pin})
+    """The job as the dry-run plans it: the job itself (no suffix), or pinned to one peer as a user
+    of its own (the fair share: see :func:`dry_run`)."""
+    user = account(job) if not suffix else f"{account(job)}{_COPY}{suffix}"
+    return job.model_copy(
+        update={"job_id": f"{job.job_id}{_COPY}{suffix}", "target_cluster": pin, "user": user}
+    )
 
 
 def _room(p: Placement) -> str:
@@ -202,6 +218,8 @@ def dry_run(
     now_ms: int,
     stale_after_ms: int,
     max_per_peer: int | None = None,
+    in_use: Sequence[JobShape] = (),
+    fair_share: FairShare | None = None,
 ) -> DryRun:
     """Classify ``job`` as its workflow would, then plan the queue with it added as the tick would.
 
@@ -219,10 +237,16 @@ def dry_run(
         stale_after_ms=stale_after_ms,
         configured=configured,
         reservations=reservations,
+        held=held_devices(in_use),
+        quotas=(fair_share or FairShare()).quotas,
     )
-    key = (job.band, job.submit_ms, job.job_id)
-    ahead = [j for j in queue_order(queue) if (j.band, j.submit_ms, j.job_id) < key]
-    position = queue_positions([*queue, job], [job.job_id]).get(job.job_id)
+    # The queue it would join, in the planner's order: the jobs before it are those ahead.
+    order = fill_order([*queue, job], in_use=in_use, reports=reports, policy=fair_share)
+    turn = next((i for i, j in enumerate(order) if j.job_id == job.job_id), len(order))
+    ahead = order[:turn]
+    position = queue_positions(
+        [*queue, job], [job.job_id], in_use=in_use, reports=reports, fair_share=fair_share
+    ).get(job.job_id)
     # A pin to a cluster nobody knows is rejected unresolved: it is still the only one asked.
     pin = decision.pinned_cluster or pinned_cluster(job.target_cluster, [r.peer_id for r in reports])
     # A job pinned home is LOCAL, but only runs at once if the CAS finds home's room: what the
@@ -240,6 +264,17 @@ def dry_run(
         peers = [p.peer_id for p in peer_order(reports, home)]
         copies = [own] if queues else []
         copies += [_shape_copy(job, p, p) for p in peers]
+    # Each pinned copy counts as a user of its own, so that one copy's placement never moves
+    # another's turn or cap. It holds what the job's user holds, and the user's jobs ahead of it
+    # as placed (as its position assumes): its turn comes after them, its cap counts them.
+    user = account(job)
+    mine = [u for u in [*in_use, *ahead] if account(u) == user]
+    aliases = [
+        u.model_copy(update={"job_id": f"{u.job_id}{_COPY}{c.job_id}", "user": c.user})
+        for c in copies
+        if c.user != user
+        for u in mine
+    ]
     result = plan(
         [*ahead, *copies],
         home=home,
@@ -248,6 +283,8 @@ def dry_run(
         now_ms=now_ms,
         stale_after_ms=stale_after_ms,
         max_per_peer=max_per_peer,
+        in_use=[*in_use, *aliases],
+        fair_share=fair_share,
     )
     placement = decision.placement if decision.disposition is Disposition.LOCAL and not pin else None
     waiting: str | None = None

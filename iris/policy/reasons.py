@@ -24,9 +24,12 @@ class ReasonCode(StrEnum):
     # The job is pinned to a peer whose backends for its shape are full.
     PinnedPeerFull = "PinnedPeerFull"
     # Alone in the queue it would have been placed this tick: jobs ahead of it in the planner's
-    # order (a higher band, or older in the same band) took the capacity first, or a peer's
-    # per-tick placement cap was reached.
+    # order (a higher band, or earlier in its band's fair-share order) took the capacity first, or
+    # a peer's per-tick placement cap was reached.
     Priority = "Priority"
+    # Its user holds as many devices as a cap in the config allows (``[quotas]``: in all, or in
+    # the job's band), counting what this tick placed: it waits for the user's own jobs to end.
+    UserQuota = "UserQuota"
     # The peers that could host the job do not answer (a queued job); or the cluster it was handed
     # to does not answer (parked with the launch's outcome unknown, or silent while it runs).
     PeerUnreachable = "PeerUnreachable"
@@ -84,6 +87,7 @@ WAITING_CODES = frozenset(
         ReasonCode.NoCapacity,
         ReasonCode.PinnedPeerFull,
         ReasonCode.Priority,
+        ReasonCode.UserQuota,
         ReasonCode.PeerUnreachable,
         ReasonCode.PeerStale,
         ReasonCode.ShapeMismatch,

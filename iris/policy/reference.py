@@ -1,4 +1,5 @@
-"""A deliberately simple tick planner: the executable specification of docs/DESIGN.md, "The tick".
+"""A deliberately simple tick planner: the executable specification of docs/DESIGN.md, "The tick"
+and "Fair share and aging".
 
 For every job it scores every backend of every peer. Too slow for a large queue, but easy to read;
 the property tests require :func:`iris.policy.planner.plan` to return exactly what this returns,
@@ -7,6 +8,7 @@ and the benchmark times both.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from iris.policy.availability import Capacity, PeerStatus, gate, is_verified, peer_status, working_capacity
@@ -22,10 +24,12 @@ from iris.policy.explain import (
     unknown_peer_message,
     unreachable_message,
 )
+from iris.policy.fairshare import Shares, federation_totals, unique_jobs
 from iris.policy.models import (
     BackendReport,
     Band,
     Constraint,
+    FairShare,
     JobShape,
     PeerReport,
     PeerVerdict,
@@ -34,6 +38,7 @@ from iris.policy.models import (
     Reservation,
     WaitKind,
 )
+from iris.policy.reasons import ReasonCode
 from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
 
 
@@ -46,7 +51,8 @@ _Rank = tuple[int, int, int, int, str, str]
 
 
 def queue_order(jobs: Sequence[JobShape]) -> list[JobShape]:
-    """Band, then submit time, then job id; a duplicated job id keeps its first entry."""
+    """Band, then submit time, then job id; a duplicated job id keeps its first entry. The tick's
+    order with no fair share (``aging_horizon_ms`` 0), and each user's own order within a band."""
     seen: set[str] = set()
     unique: list[JobShape] = []
     for job in jobs:
@@ -88,7 +94,35 @@ def plan_reference(
     now_ms: int,
     stale_after_ms: int,
     max_per_peer: int | None = None,
+    in_use: Sequence[JobShape] = (),
+    fair_share: FairShare | None = None,
 ) -> PlanResult:
+    return plan_turns(
+        jobs,
+        home=home,
+        reports=reports,
+        reservations=reservations,
+        now_ms=now_ms,
+        stale_after_ms=stale_after_ms,
+        max_per_peer=max_per_peer,
+        in_use=in_use,
+        fair_share=fair_share,
+    )[0]
+
+
+def plan_turns(
+    jobs: Sequence[JobShape],
+    *,
+    home: str,
+    reports: Sequence[PeerReport],
+    reservations: Sequence[Reservation] = (),
+    now_ms: int,
+    stale_after_ms: int,
+    max_per_peer: int | None = None,
+    in_use: Sequence[JobShape] = (),
+    fair_share: FairShare | None = None,
+) -> tuple[PlanResult, list[str]]:
+    """:func:`plan_reference`, and the job ids in the order their turns came."""
     peers = peer_order(reports, home)
     status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in peers}
     capacity: dict[tuple[str, str], Capacity | None] = {}
@@ -102,12 +136,33 @@ def plan_reference(
             attrs[(p.peer_id, b.backend_id)] = normalize_attributes(b.advertised_attributes)
     placed_on: dict[str, int] = {}
 
+    # Fair share (iris/policy/fairshare.py): whose turn is next is read from the shares as they are.
+    shares = Shares(in_use, federation_totals(reports), fair_share or FairShare())
+    # Each user's jobs of a band in submit order: their share is the same, so its first job left
+    # is the one of them whose turn comes first.
+    lanes: dict[tuple[Band, str], deque[JobShape]] = {}
+    for job, user in sorted(unique_jobs(jobs), key=lambda item: (item[0].submit_ms, item[0].job_id)):
+        lanes.setdefault((job.band, user), deque()).append(job)
+    turns: list[str] = []
+
     placements: list[Placement] = []
     expired: list[str] = []
     waiting: list[tuple[int, JobShape, str | None]] = []
-    for position, job in enumerate(queue_order(jobs)):
+    capped: list[tuple[int, JobShape, str]] = []
+    while lanes:
+        # The next turn: the highest band, then the smallest (virtual submit time, submit, id).
+        band, user = min(lanes, key=lambda lane: (lane[0], shares.key(lanes[lane][0], lane[1])))
+        job = lanes[(band, user)].popleft()
+        if not lanes[(band, user)]:
+            del lanes[(band, user)]
+        position = len(turns)
+        turns.append(job.job_id)
         if is_expired(job, now_ms):
             expired.append(job.job_id)
+            continue
+        refusal = shares.refusal(job, user)
+        if refusal is not None:
+            capped.append((position, job, refusal))
             continue
         constraints = job_constraints(job)
         need = gate(job.device)
@@ -158,6 +213,7 @@ def plan_reference(
             continue
         shape_only, preempts, _, _, peer_id, backend_id = best
         placed_on[peer_id] = placed_on.get(peer_id, 0) + 1
+        shares.charge(job, user)
         cap = capacity.get((peer_id, backend_id)) if backend_id else None
         reserved: dict[str, int] = {}
         epoch: int | None = None
@@ -191,7 +247,9 @@ def plan_reference(
         groups.append(
             ([(position, job.job_id)], summarize(pin, verdicts), reason_code(pin, verdicts, fit), verdicts)
         )
-    return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups))
+    for position, job, refusal in capped:
+        groups.append(([(position, job.job_id)], refusal, ReasonCode.UserQuota, []))
+    return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups)), turns
 
 
 def placement_reason(peer_id: str, backend_id: str, home: str, shape_only: int, preempts: bool) -> str:

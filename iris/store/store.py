@@ -286,6 +286,23 @@ class FederationStore:
 
         return self._run(body, write=False)
 
+    def in_use(self) -> list[JobShape]:
+        """The shapes of the jobs holding devices: promoted (PENDING_HANDOFF) or handed off, by job
+        id; what the fair share counts (docs/DESIGN.md, "Fair share and aging"). A parked job
+        (HANDOFF_FAILED) holds none. The shape alone is read: it names the user (shapes stored
+        before it did leave it empty, and the policy reads the job id's prefix)."""
+        holding = [HandleState.PENDING_HANDOFF.value, HandleState.HANDED_OFF.value]
+
+        def body(conn: Connection) -> list[JobShape]:
+            rows = conn.execute(
+                select(job_handles.c.shape)
+                .where(job_handles.c.state.in_(holding))
+                .order_by(job_handles.c.job_id)
+            ).scalars()
+            return [JobShape.model_validate_json(shape) for shape in rows]
+
+        return self._run(body, write=False)
+
     def handles(self, states: Iterable[HandleState] | None = None) -> list[JobHandle]:
         """Handles in the given states (all when None), by job id; for operators and diagnostics."""
         wanted = None if states is None else [s.value for s in states]

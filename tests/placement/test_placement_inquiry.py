@@ -167,7 +167,8 @@ def test_with_room_for_k_the_planner_places_exactly_positions_1_to_k(seed: int) 
     placed = {
         p.job_id for p in plan(queue, home=HOME, reports=reports, now_ms=NOW, stale_after_ms=STALE).placements
     }
-    positions = queue_positions(queue)
+    # Fair share reads the federation's totals from the reports, as the tick does.
+    positions = queue_positions(queue, reports=reports)
     assert placed == {j for j, p in positions.items() if p.position <= room}
 
 

@@ -19,6 +19,7 @@ ALLOWED_ROOTS = {
     "dataclasses",
     "enum",
     "gc",
+    "heapq",
     "itertools",
     "operator",
     "re",

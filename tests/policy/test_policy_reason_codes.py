@@ -199,6 +199,7 @@ def test_every_waiting_code_is_a_waiting_code() -> None:
         ReasonCode.NoCapacity,
         ReasonCode.PinnedPeerFull,
         ReasonCode.Priority,
+        ReasonCode.UserQuota,
         ReasonCode.PeerUnreachable,
         ReasonCode.PeerStale,
         ReasonCode.ShapeMismatch,

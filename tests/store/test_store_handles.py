@@ -211,3 +211,29 @@ def test_cancel_outcomes_by_state(store: FederationStore) -> None:
     assert store.set_state("done", "inc-1", HandleState.SUCCEEDED) is not None
     finished = store.record_cancel("done", "too late")
     assert not finished.won and finished.state is HandleState.SUCCEEDED
+
+
+def test_in_use_is_the_shapes_of_the_promoted_and_handed_off_jobs(store: FederationStore) -> None:
+    """What the tick's fair share counts (docs/DESIGN.md, "Fair share and aging"): a shape stored
+    with its user keeps it; one stored before shapes named theirs reads back with none."""
+    store.save_reports([report(PEER, gpu_backend(free=32))])
+    for job_id in ("alice/queued", "alice/promoted", "bob/handed", "bob/parked", "carol/done"):
+        h = handle(job_id, gpus=4)
+        store.enqueue(
+            h.model_copy(update={"shape": h.shape.model_copy(update={"user": job_id.split("/")[0]})})
+        )
+    for job_id in ("alice/promoted", "bob/handed", "bob/parked", "carol/done"):
+        assert store.promote(job_id, "inc-1", placement(job_id, need=4), NOW).promoted
+    store.set_state("bob/handed", "inc-1", HandleState.HANDED_OFF)
+    store.set_state("bob/parked", "inc-1", HandleState.HANDOFF_FAILED, "peer down")
+    store.set_state("carol/done", "inc-1", HandleState.SUCCEEDED, "exit 0")
+    held = store.in_use()
+    assert [(s.job_id, s.user, s.device.count) for s in held] == [
+        ("alice/promoted", "alice", 4),
+        ("bob/handed", "bob", 4),
+    ]
+    # A shape stored without a user (an older worker's) reads back with an empty one.
+    old = handle("dave/old", gpus=2)
+    payload = old.shape.model_dump(exclude={"user"})
+    assert "user" not in payload
+    assert JobHandle(job_id="dave/old", incarnation="inc-1", shape=payload).shape.user == ""  # type: ignore[arg-type]

@@ -127,6 +127,9 @@ async def classified(ctx: Ctx) -> Classification:
         configured=view.configured,
         reservations=view.reservations,
         reject_too_large=ctx.features.sizing,
+        # A view recorded before caps existed has none: the decision replays unchanged.
+        held=view.held,
+        quotas=view.quotas,
     )
     run.clusters = tuple(r.peer_id for r in view.reports)
     run.view = view
