@@ -82,8 +82,11 @@ async def test_an_exempt_job_is_not_reported_reclaimable_and_not_preempted(tmp_p
             # A production job placed anyway waits; the exempt job is not preempted.
             waiting = request(SLEEP, job_id="prod/waiting", gpus=4, band=Band.PRODUCTION)
             assert (await c.launch(waiting)).state is S.PENDING
-            assert (await c.status("batch/back")).state is S.RUNNING
-            assert time.time() - back_started < EXEMPT_S, "too slow a machine: the exemption ended"
+            still = await c.status("batch/back")
+            # (Should this fail on a very slow machine, the message says whether the exemption had
+            # simply ended by then.)
+            since = time.time() - back_started
+            assert still.state is S.RUNNING, f"{still.state} {since:.1f}s after start (exempt {EXEMPT_S}s)"
 
             # When the exemption ends, the waiting job preempts it (no other event needed).
             done = await poll(
