@@ -12,6 +12,7 @@ import math
 import os
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -123,8 +124,18 @@ USAGE_ERRORS = [
 ]
 
 
-async def job_workflows(stack: Stack) -> int:
-    return (await stack.client.count_workflows("WorkflowType = 'JobWorkflow'")).count
+def now() -> str:
+    """The visibility store's time format, to the microsecond."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def job_workflows(stack: Stack, since: str) -> int:
+    """The JobWorkflows started since ``since``: a test's own, whatever earlier tests of the same
+    stack delete meanwhile (a deletion is asynchronous: CI run J counted one fewer job workflow
+    after the CLI cases than before them, when test_determinism_ops_cli's deleted run left the
+    visibility store)."""
+    query = f"WorkflowType = 'JobWorkflow' AND StartTime >= '{since}'"
+    return (await stack.client.count_workflows(query)).count
 
 
 async def cli(stack: Stack, c: CliCase) -> tuple[int, str, str]:
@@ -166,7 +177,8 @@ def check(c: CliCase, code: int, out: str, err: str) -> str | None:
 async def test_malformed_cli_submissions_are_one_error_line_and_start_nothing(
     stack: Stack, duplicate: str
 ) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     gate = asyncio.Semaphore(3)  # 2 cores: a few CLI processes at a time
 
     async def one(c: CliCase) -> tuple[CliCase, int, str, str]:
@@ -184,25 +196,27 @@ async def test_malformed_cli_submissions_are_one_error_line_and_start_nothing(
             with pytest.raises(JobNotFound):
                 await stack.iris.describe(f"tester/{c.name}")
     assert not problems, "\n".join(problems)
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
 
 
 @pytest.mark.parametrize("c", USAGE_ERRORS, ids=lambda c: c.id)
 async def test_cli_usage_errors_are_one_error_line(stack: Stack, c: CliCase) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     code, out, err = await cli(stack, c)
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
     assert code == 2 and c.expect in err
     assert check(c, code, out, err) is None
 
 
 async def test_duplicate_job_id_through_the_cli_is_refused(stack: Stack, duplicate: str) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     name = duplicate.split("/", 1)[1]
     code, out, err = await cli(stack, case("dup", "job", "run", "--job-name", name, "--", "true", expect=""))
     assert code == 2 and out == ""
     assert one_error_line(err) == f"error: job {duplicate} already exists; choose another --job-name"
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
 
 
 # ---- the SDK -----------------------------------------------------------------------------------
@@ -248,7 +262,8 @@ SDK_CASES: list[tuple[str, dict[str, Any], str]] = [
 async def test_malformed_sdk_submission_raises_one_line_and_starts_nothing(
     stack: Stack, id: str, kwargs: dict[str, Any], expect: str
 ) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     kw = dict(kwargs)
     command = kw.pop("command", ["true"])
     with pytest.raises(InvalidJob) as built:
@@ -257,7 +272,7 @@ async def test_malformed_sdk_submission_raises_one_line_and_starts_nothing(
     with pytest.raises(InvalidJob) as submitted:
         await stack.iris.submit(command, **kw)
     assert str(submitted.value) == str(built.value)
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
 
 
 @pytest.mark.parametrize(
@@ -278,7 +293,8 @@ async def test_malformed_sdk_submission_raises_one_line_and_starts_nothing(
 async def test_sdk_submission_no_cluster_can_host_is_rejected_before_starting(
     stack: Stack, id: str, kwargs: dict[str, Any], error: type[IrisError], expect: str
 ) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     name = f"hostile-{RUN}-sdk-{id}"
     with pytest.raises(error) as raised:
         await stack.iris.submit(["true"], name=name, **kwargs)
@@ -286,27 +302,29 @@ async def test_sdk_submission_no_cluster_can_host_is_rejected_before_starting(
     assert raised.value.exit_code == 2
     with pytest.raises(JobNotFound):
         await stack.iris.describe(f"tester/{name}")
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
 
 
 async def test_sdk_duplicate_is_refused_and_the_original_untouched(stack: Stack, duplicate: str) -> None:
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     original = await stack.iris.describe(duplicate)
     with pytest.raises(JobAlreadyExists, match="already exists"):
         await stack.iris.submit(
             ["echo", "impostor"], name=duplicate.split("/", 1)[1], user="tester@example.com"
         )
     assert (await stack.iris.describe(duplicate)).spec == original.spec
-    assert await job_workflows(stack) == before
+    assert await job_workflows(stack, since) == before
 
 
 async def test_the_count_is_a_real_witness(stack: Stack) -> None:
     """A valid submission does move the count, so an unchanged count above means nothing started."""
-    before = await job_workflows(stack)
+    since = now()
+    before = await job_workflows(stack, since)
     job_id = await stack.iris.submit(["true"], name=f"hostile-{RUN}-witness")
 
     async def counted() -> bool:
-        return await job_workflows(stack) == before + 1
+        return await job_workflows(stack, since) == before + 1
 
     await wait_until(counted, timeout=30, what="the valid submission to be counted")
     await stack.iris.wait(job_id, timeout_s=60)
