@@ -242,6 +242,10 @@ def pack(root: str | os.PathLike[str]) -> Bundle | None:
         for entry in entries:
             try:
                 data = entry.path.read_bytes()
+            except FileNotFoundError:
+                # Gone since it was listed (a live file such as a SQLite journal beside a running
+                # `iris dev`): not part of the snapshot, as if it had never been there.
+                continue
             except OSError as exc:
                 raise BundleError(f"cannot read {entry.path}: {exc.strerror}") from None
             shipped_bytes += len(data)
