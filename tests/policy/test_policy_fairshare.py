@@ -117,11 +117,9 @@ def fair_scenarios(draw: st.DrawFn):  # type: ignore[no-untyped-def]
     return jobs, reports, reservations, cap, in_use, policy
 
 
-@SETTINGS
-@given(fair_scenarios())
-def test_planner_agrees_with_the_reference_under_fair_share(s) -> None:  # type: ignore[no-untyped-def]
-    jobs, reports, reservations, cap, in_use, policy = s
-    args = dict(
+def tick_args(reports, reservations, cap, in_use, policy):  # type: ignore[no-untyped-def]
+    """The tick's keyword arguments for one drawn scenario (planner and reference alike)."""
+    return dict(
         home=HOME,
         reports=reports,
         reservations=reservations,
@@ -131,6 +129,13 @@ def test_planner_agrees_with_the_reference_under_fair_share(s) -> None:  # type:
         in_use=in_use,
         fair_share=policy,
     )
+
+
+@SETTINGS
+@given(fair_scenarios())
+def test_planner_agrees_with_the_reference_under_fair_share(s) -> None:  # type: ignore[no-untyped-def]
+    jobs, reports, reservations, cap, in_use, policy = s
+    args = tick_args(reports, reservations, cap, in_use, policy)
     result = plan(jobs, **args)  # type: ignore[arg-type]
     assert result == plan_reference(jobs, **args)  # type: ignore[arg-type]
     outcomes = [p.job_id for p in result.placements] + result.expired
@@ -145,16 +150,7 @@ def test_removing_a_job_changes_nothing_for_the_jobs_whose_turn_came_before_it(s
     jobs, reports, reservations, cap, in_use, policy = s
     if not jobs:
         return
-    args = dict(
-        home=HOME,
-        reports=reports,
-        reservations=reservations,
-        now_ms=NOW,
-        stale_after_ms=STALE,
-        max_per_peer=cap,
-        in_use=in_use,
-        fair_share=policy,
-    )
+    args = tick_args(reports, reservations, cap, in_use, policy)
     before, turns = plan_turns(jobs, **args)  # type: ignore[arg-type]
     removed = data.draw(st.sampled_from(turns))
     after, turns_after = plan_turns([j for j in jobs if j.job_id != removed], **args)  # type: ignore[arg-type]
