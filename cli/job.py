@@ -282,7 +282,8 @@ def run_command(
             return common.EXIT_OK
 
         async def stream_logs() -> None:
-            async for data in client.follow_logs(job_id):
+            # From attempt 1: a short first attempt may have failed and been retried already.
+            async for data in client.follow_logs(job_id, from_first=True):
                 sys.stdout.write(data)
                 sys.stdout.flush()
 

@@ -1007,16 +1007,22 @@ class AsyncIrisClient:
         await asyncio.sleep(settle_s)
 
     async def follow_logs(
-        self, job_id: str, *, attempt: int | None = None, poll_interval_s: float = 0.25
+        self,
+        job_id: str,
+        *,
+        attempt: int | None = None,
+        from_first: bool = False,
+        poll_interval_s: float = 0.25,
     ) -> AsyncIterator[str]:
         """Yield the job's output as it is written, until the job ends and everything was read.
 
-        Without ``attempt``: from the latest attempt on, then each later one as it starts (a
-        retried job's output goes on in its next attempt). With ``attempt``: that attempt's output,
-        until it ends.
+        Without ``attempt``: from the latest attempt on (``from_first``: from attempt 1, as for a
+        job just submitted, whose first attempt may already have ended and been retried), then
+        each later one as it starts (a retried job's output goes on in its next attempt). With
+        ``attempt``: that attempt's output, until it ends.
         """
         job_id = self.resolve(job_id)
-        number: int | None = None
+        number: int | None = 1 if from_first and attempt is None else None
         offset = 0
         asked = -math.inf
         while True:

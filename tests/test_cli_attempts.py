@@ -381,6 +381,20 @@ async def test_following_a_retried_job_goes_on_into_its_next_attempt() -> None:
     assert [data async for data in client.follow_logs(JOB, poll_interval_s=0)] == ["first try\n", "oops\n"]
 
 
+async def test_following_a_job_just_submitted_starts_at_its_first_attempt() -> None:
+    """`iris job run` follows from attempt 1: a short first attempt may have failed and been retried
+    before the stream's first read (the stop's CI saw `first` lost that way)."""
+    second_running = job_status(
+        JobState.RUNNING, attempt(1, "cw-a", end="FAILED", exit_code=3), attempt(2, "cw-b")
+    )
+    client = LogsClient([second_running, second_running, second_running, RETRIED], LOGS)
+    got = [data async for data in client.follow_logs(JOB, from_first=True, poll_interval_s=0)]
+    assert got == ["first try\n", "oops\n", "second try\n"]
+    # Without it, following starts at the latest attempt (`iris job logs -f`).
+    client = LogsClient([second_running, RETRIED], LOGS)
+    assert [data async for data in client.follow_logs(JOB, poll_interval_s=0)] == ["second try\n"]
+
+
 # ---- replay-handoff --force ---------------------------------------------------------------------
 
 PARKED = job_status(JobState.HANDOFF_FAILED, attempt(1, "cw-a"))
