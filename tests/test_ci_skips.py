@@ -5,6 +5,7 @@ skip. Here PostgreSQL is "stopped" for the store tests by pointing them at a por
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -29,8 +30,8 @@ def run_pytest(*args: str, ci: bool) -> subprocess.CompletedProcess[str]:
 STORE_TEST = "tests/store/test_store_promote.py"
 
 
-def test_under_ci_a_store_test_without_postgresql_fails_saying_why() -> None:
-    run = run_pytest(STORE_TEST, "-k", "postgresql", ci=True)
+async def test_under_ci_a_store_test_without_postgresql_fails_saying_why() -> None:
+    run = await asyncio.to_thread(run_pytest, STORE_TEST, "-k", "postgresql", ci=True)
     assert run.returncode == 1, run.stdout
     # The store fixture skips in setup: pytest reports a failed setup as an ERROR.
     failures = [line for line in run.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
@@ -40,14 +41,14 @@ def test_under_ci_a_store_test_without_postgresql_fails_saying_why() -> None:
     assert " passed" not in run.stdout.splitlines()[-1]
 
 
-def test_outside_ci_the_same_tests_skip_and_say_why() -> None:
-    run = run_pytest(STORE_TEST, "-k", "postgresql", "-rs", ci=False)
+async def test_outside_ci_the_same_tests_skip_and_say_why() -> None:
+    run = await asyncio.to_thread(run_pytest, STORE_TEST, "-k", "postgresql", "-rs", ci=False)
     assert run.returncode == 0, run.stdout
     assert "SKIPPED" in run.stdout and "PostgreSQL not reachable at" in run.stdout
     assert "failed" not in run.stdout.splitlines()[-1]
 
 
-def test_under_ci_an_opt_in_suite_still_skips() -> None:
-    run = run_pytest("tests/chaos/test_chaos_suite.py", "-rs", ci=True)
+async def test_under_ci_an_opt_in_suite_still_skips() -> None:
+    run = await asyncio.to_thread(run_pytest, "tests/chaos/test_chaos_suite.py", "-rs", ci=True)
     assert run.returncode == 0, run.stdout
     assert "opt-in" in run.stdout and "skipped" in run.stdout.splitlines()[-1]

@@ -5,6 +5,7 @@ issue 1386); this fails if the grouping stops working again."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -16,9 +17,10 @@ from stack import PROJECT_ROOT
 MODULES = ("tests/policy/test_policy_routing.py", "tests/policy/test_policy_reasons.py")
 
 
-def test_each_modules_tests_run_in_one_test_process() -> None:
+async def test_each_modules_tests_run_in_one_test_process() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    run = subprocess.run(
+    run = await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "pytest", "-v", "-n", "2", "-p", "no:cacheprovider", *MODULES],
         cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
