@@ -131,6 +131,16 @@ class PeerReport(BaseModel):
     error: str | None = None
 
 
+class RunningOn(BaseModel):
+    """Where a job holding devices was placed, and when (docs/DESIGN.md, "Backfill")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    peer_id: str
+    backend_id: str
+    since_ms: int
+
+
 class JobShape(BaseModel):
     """Everything the policy needs to know about one job."""
 
@@ -144,6 +154,13 @@ class JobShape(BaseModel):
     # Who submitted it (the spec's user, which the workflow verifies against the signature); ""
     # in shapes stored before it was kept: the fair share then counts the job id's first segment.
     user: str = ""
+    # The most one attempt runs (its --timeout), which backfill plans with; None: its band's
+    # default (:class:`Backfill`), an estimate only, since nothing enforces it.
+    time_limit_ms: int | None = Field(default=None, ge=1)
+    # Where and since when it holds devices: set only in a tick's ``in_use``, from the ledger of
+    # promotions; None for a job whose backend or start is not known (it never frees devices in
+    # backfill's reckoning).
+    running_on: RunningOn | None = None
 
 
 class Disposition(StrEnum):
@@ -188,6 +205,9 @@ class Placement(BaseModel):
     preempts: bool = False
     forced: bool = False
     reason: str = ""
+    # Backfilled: placed on devices held for this waiting job, because its time limit ends before
+    # that job's reserved start (docs/DESIGN.md, "Backfill").
+    ahead_of: str | None = None
 
     def reservation(self) -> Reservation | None:
         """The ledger entry to record with the promotion, if the placement reserves anything."""
@@ -249,6 +269,8 @@ class JobExplanation(BaseModel):
     # The summary's stable code (iris/policy/reasons.py).
     code: ReasonCode = ReasonCode.Pending
     verdicts: list[PeerVerdict] = Field(default_factory=list)
+    # Devices held for it (``Reserved``): where, how many and from when.
+    hold: Hold | None = None
 
     def for_peer(self, peer_id: str) -> PeerVerdict | None:
         return next((v for v in self.verdicts if peer_id in v.peer_ids), None)
@@ -295,6 +317,46 @@ class FairShare(BaseModel):
     quotas: Quotas = Quotas()
 
 
+DEFAULT_BAND_LIMITS_MS: dict[Band, int] = {
+    Band.PRODUCTION: 24 * 3_600_000,
+    Band.INTERACTIVE: 4 * 3_600_000,
+    Band.BATCH: 24 * 3_600_000,
+}
+
+
+class Backfill(BaseModel):
+    """Backfill's settings for one tick (docs/DESIGN.md, "Backfill"; iris/config.py ``[backfill]``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Off: no job is held for, every job that fits goes (the tick before backfill).
+    enabled: bool = True
+    # The time limit of a job without --timeout, per band.
+    default_limit_ms: dict[Band, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: dict(DEFAULT_BAND_LIMITS_MS)
+    )
+
+    def limit_ms(self, job: JobShape) -> int:
+        if job.time_limit_ms is not None:
+            return job.time_limit_ms
+        return self.default_limit_ms.get(job.band, DEFAULT_BAND_LIMITS_MS[job.band])
+
+
+class Hold(BaseModel):
+    """Devices held for a waiting job (EASY backfill): from ``start_ms``, the earliest time enough of
+    them are free on one backend as the jobs there reach their time limits, ``amount`` of ``token``
+    are its. Until then a job may use them only if its time limit ends by ``start_ms``, or if it
+    takes no more than ``spare`` (what is free then beyond ``amount``)."""
+
+    job_id: str
+    peer_id: str
+    backend_id: str
+    token: str
+    amount: int
+    start_ms: int
+    spare: int
+
+
 class PlanRequest(BaseModel):
     """Everything one tick decides on: the queue, the last reports and the ledger."""
 
@@ -309,20 +371,30 @@ class PlanRequest(BaseModel):
     # user's fair share and caps count.
     in_use: list[JobShape] = Field(default_factory=list)
     fair_share: FairShare = FairShare()
+    backfill: Backfill = Backfill()
 
 
 class PlanResult(BaseModel):
-    """The tick's output: placements in queue order, expired job ids, and why the rest wait."""
+    """The tick's output: placements in queue order, expired job ids, why the rest wait, and the
+    devices held for waiting jobs (backfill), in the order they were held."""
 
     placements: list[Placement] = Field(default_factory=list)
     expired: list[str] = Field(default_factory=list)
     waiting: list[WaitingGroup] = Field(default_factory=list)
+    holds: list[Hold] = Field(default_factory=list)
+
+    def hold_for(self, job_id: str) -> Hold | None:
+        return next((h for h in self.holds if h.job_id == job_id), None)
 
     def explain(self, job_id: str) -> JobExplanation | None:
         for group in self.waiting:
             if job_id in group.job_ids:
                 return JobExplanation(
-                    job_id=job_id, summary=group.summary, code=group.code, verdicts=group.verdicts
+                    job_id=job_id,
+                    summary=group.summary,
+                    code=group.code,
+                    verdicts=group.verdicts,
+                    hold=self.hold_for(job_id),
                 )
         return None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left, insort
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from iris.policy.availability import (
     CPU_TOKEN,
@@ -34,6 +34,7 @@ from iris.policy.availability import (
     replay,
     usable_block,
 )
+from iris.policy.backfill import Releases, Slot, admits, choose_hold, held_summary, take, usable
 from iris.policy.explain import (
     cap_message,
     full_message,
@@ -45,9 +46,11 @@ from iris.policy.explain import (
 )
 from iris.policy.fairshare import Shares, Turns, federation_totals, unique_jobs
 from iris.policy.models import (
+    Backfill,
     Band,
     Constraint,
     FairShare,
+    Hold,
     JobShape,
     Op,
     PeerReport,
@@ -118,6 +121,7 @@ class _Class:
         "home_verified",
         "id",
         "idle",
+        "member_idx",
         "members",
         "order",
         "order_ptr",
@@ -133,6 +137,7 @@ class _Class:
         self.constraints = constraints
         self.token = token
         self.members = members
+        self.member_idx = frozenset(b.idx for b in members)
         self.by_peer: dict[str, list[_Backend]] = {}
         for b in members:
             self.by_peer.setdefault(b.peer_id, []).append(b)
@@ -163,11 +168,19 @@ class _Class:
                 entries.sort()
 
 
-def _first_fit(entries: list[_Entry], need: int, capped: set[str]) -> int:
-    """Index of the tightest entry with at least ``need``, dropping peers that hit the cap."""
+def _first_fit(
+    entries: list[_Entry], need: int, capped: set[str], admitted: Callable[[int], bool] | None = None
+) -> int:
+    """Index of the tightest entry with at least ``need``, dropping peers that hit the cap; with
+    ``admitted``, the tightest whose backend (by index) it admits (backfill's holds)."""
     i = bisect_left(entries, (need,))
-    while i < len(entries) and entries[i][1] in capped:
-        del entries[i]  # a capped peer takes nothing more this tick
+    while i < len(entries):
+        if entries[i][1] in capped:
+            del entries[i]  # a capped peer takes nothing more this tick
+        elif admitted is None or admitted(entries[i][3]):
+            break
+        else:
+            i += 1
     return i
 
 
@@ -190,9 +203,18 @@ class _Tick:
         now_ms: int,
         stale_after_ms: int,
         max_per_peer: int | None,
+        releases: Releases | None = None,
     ) -> None:
         self.home = home
         self.max_per_peer = max_per_peer
+        # Backfill (iris/policy/backfill.py): None when off. Holds by slot, and by token the
+        # indexes of the backends holding for someone.
+        self.releases = releases
+        self.holds: dict[Slot, Hold] = {}
+        self.held_idx: dict[str, set[int]] = {}
+        # Per (class, pin), the smallest need no backend could be held for (capacity only
+        # shrinks and holds only accumulate within a tick, so any larger need fails too).
+        self.hold_fails_from: dict[tuple[int, str | None], int] = {}
         self.stale_after_ms = stale_after_ms
         self.peers = peer_order(reports, home)
         self.status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in self.peers}
@@ -245,7 +267,9 @@ class _Tick:
         self.explanation_cache: dict[
             tuple[int, Band, str | None, int], tuple[object, str, ReasonCode, list[PeerVerdict]]
         ] = {}
-        self.keys_cache: dict[tuple[int, Band, str | None], list[tuple[WaitKind, str | int, list[str]]]] = {}
+        self.keys_cache: dict[
+            tuple[int, Band, str | None, int], list[tuple[WaitKind, str | int, list[str]]]
+        ] = {}
 
     # --- classes ---
 
@@ -283,7 +307,25 @@ class _Tick:
 
     # --- choosing ---
 
-    def pick_gated(self, cls: _Class, need: int, band: Band) -> tuple[_Backend, bool] | None:
+    def admission(self, cls: _Class, need: int, end_ms: int) -> Callable[[int], bool] | None:
+        """Whether a job may take each backend (by index) past the holds on the class's token;
+        None when none of the class's backends holds for anyone."""
+        token = cls.token
+        held = self.held_idx.get(token) if token is not None else None
+        if not held or held.isdisjoint(cls.member_idx):
+            return None
+        holds, backends = self.holds, self.backends
+        assert token is not None
+
+        def admitted(idx: int) -> bool:
+            b = backends[idx]
+            return admits(holds.get((b.peer_id, b.backend_id, token)), need, end_ms)
+
+        return admitted
+
+    def pick_gated(
+        self, cls: _Class, need: int, band: Band, admitted: Callable[[int], bool] | None = None
+    ) -> tuple[_Backend, bool] | None:
         token = cls.token
         assert token is not None
         capped = self.capped
@@ -293,12 +335,13 @@ class _Tick:
             for b in cls.home_verified:
                 assert b.cap is not None
                 free = b.cap.free.get(token, 0)
-                if free >= need and (best is None or (free, b.backend_id) < best[:2]):
+                better = free >= need and (best is None or (free, b.backend_id) < best[:2])
+                if better and (admitted is None or admitted(b.idx)):
                     best = (free, b.backend_id, b)
             if best is not None:
                 return best[2], False
         idle = cls.idle
-        i = _first_fit(idle, need, capped)
+        i = _first_fit(idle, need, capped, admitted)
         if i < len(idle):
             return self.backends[idle[i][3]], False
         if band != _BATCH:
@@ -307,12 +350,13 @@ class _Tick:
                 for b in cls.home_verified:
                     assert b.cap is not None
                     avail = b.cap.effective(token, band)
-                    if avail >= need and (best is None or (avail, b.backend_id) < best[:2]):
+                    better = avail >= need and (best is None or (avail, b.backend_id) < best[:2])
+                    if better and (admitted is None or admitted(b.idx)):
                         best = (avail, b.backend_id, b)
                 if best is not None:
                     return best[2], True
             eff = cls.eff[band]
-            i = _first_fit(eff, need, capped)
+            i = _first_fit(eff, need, capped, admitted)
             if i < len(eff):
                 return self.backends[eff[i][3]], True
         return self.pick_shape_only(cls)
@@ -336,7 +380,7 @@ class _Tick:
         return None
 
     def pick_pinned(
-        self, cls: _Class, pin: str, need: int, band: Band
+        self, cls: _Class, pin: str, need: int, band: Band, admitted: Callable[[int], bool] | None = None
     ) -> tuple[_Backend | None, bool] | None:
         """Best backend on the pinned peer; (None, False) force-routes to a peer lacking the shape."""
         if self.status.get(pin) is not PeerStatus.OK or pin in self.capped:
@@ -354,6 +398,8 @@ class _Tick:
                 rank = (0, 0, 0, b.backend_id)
                 preempts = False
             else:
+                if admitted is not None and not admitted(b.idx):
+                    continue  # held for a job ahead, and this one would not give it back in time
                 free = b.cap.free.get(token, 0)
                 if free >= need:
                     rank = (0, 0, free - need, b.backend_id)
@@ -368,16 +414,32 @@ class _Tick:
                 best = (rank, b, preempts)
         return None if best is None else (best[1], best[2])
 
-    def charge(self, peer_id: str, b: _Backend | None, token: str | None, need: int, band: Band) -> None:
+    def charge(
+        self,
+        peer_id: str,
+        b: _Backend | None,
+        token: str | None,
+        need: int,
+        band: Band,
+        end_ms: int = 0,
+        preempts: bool = False,
+    ) -> str | None:
+        """Charge a placement; the held job's id if it was backfilled ahead of one."""
         count = self.placed_on.get(peer_id, 0) + 1
         self.placed_on[peer_id] = count
         if self.max_per_peer is not None and count >= self.max_per_peer:
             self.capped.add(peer_id)
         if b is None or b.cap is None or token is None or not b.cap.verifies(token):
-            return
+            return None
+        ahead_of: str | None = None
+        if self.releases is not None:
+            slot = (b.peer_id, b.backend_id, token)
+            ahead_of = take(self.holds.get(slot), need, end_ms)
+            if not preempts:  # a preemptor's devices are its victims', already counted
+                self.releases.add(slot, end_ms, need)
         if b.home:
             b.cap.spend(token, need, band)
-            return
+            return ahead_of
         old = _levels(b.cap, token)
         b.cap.spend(token, need, band)
         new = _levels(b.cap, token)
@@ -385,6 +447,35 @@ class _Tick:
             _move(cls.idle, old[0], new[0], b)
             _move(cls.eff[_PRODUCTION], old[1], new[1], b)
             _move(cls.eff[_INTERACTIVE], old[2], new[2], b)
+        return ahead_of
+
+    def hold(self, cls: _Class, job: JobShape, need: int, pin: str | None) -> Hold | None:
+        """Hold devices for a gated job that found no room (as reference._hold)."""
+        token = cls.token
+        if self.releases is None or token is None:
+            return None
+        key = (cls.id, pin)
+        if need >= self.hold_fails_from.get(key, _NEVER):
+            return None
+        members = cls.by_peer.get(pin, []) if pin else cls.members
+        candidates: list[tuple[Slot, int]] = []
+        capped = self.capped
+        for b in members:
+            slot = (b.peer_id, b.backend_id, token)
+            if b.peer_id in capped:
+                continue
+            if b.cap is not None and b.cap.verifies(token) and slot not in self.holds:
+                candidates.append((slot, b.cap.free.get(token, 0)))
+        found = choose_hold(job.job_id, token, need, candidates, self.releases)
+        if found is None:
+            self.hold_fails_from[key] = min(need, self.hold_fails_from.get(key, need))
+            return None
+        slot = (found.peer_id, found.backend_id, token)
+        self.holds[slot] = found
+        self.held_idx.setdefault(token, set()).add(
+            next(b.idx for b in members if (b.peer_id, b.backend_id) == slot[:2])
+        )
+        return found
 
     # --- explaining ---
 
@@ -424,10 +515,14 @@ class _Tick:
         return cached
 
     def verdict_keys(
-        self, cls: _Class, band: Band, pin: str | None
+        self, cls: _Class, band: Band, pin: str | None, need: int
     ) -> list[tuple[WaitKind, str | int, list[str]]]:
         """Peers grouped by reason, first-seen order; a FULL reason is keyed by what is available."""
-        cache_key = (cls.id, band, pin)
+        # What a held backend offers a waiting job depends on its need (backfill.usable).
+        token = cls.token
+        held = self.held_idx.get(token) if token is not None else None
+        by_need = bool(held) and not held.isdisjoint(cls.member_idx)  # type: ignore[union-attr]
+        cache_key = (cls.id, band, pin, need if by_need else -1)
         cached = self.keys_cache.get(cache_key)
         if cached is not None:
             return cached
@@ -452,10 +547,10 @@ class _Tick:
                 assert self.max_per_peer is not None
                 key = (WaitKind.PER_TICK_CAP, cap_message(self.max_per_peer))
             else:
-                token = cls.token
                 assert token is not None  # anything ungated or shape-only would have been placed
+                holds = self.holds
                 available = max(
-                    b.cap.effective(token, band)
+                    usable(holds.get((b.peer_id, b.backend_id, token)), b.cap.effective(token, band), need)
                     for b in members
                     if b.cap is not None and b.cap.verifies(token)
                 )
@@ -470,7 +565,7 @@ class _Tick:
     ) -> tuple[object, str, ReasonCode, list[PeerVerdict]]:
         """(merge key, summary, code, verdicts) for jobs left waiting; shared across needs when
         none is FULL."""
-        keys = self.verdict_keys(cls, band, pin)
+        keys = self.verdict_keys(cls, band, pin, need)
         # The need shows in a FULL verdict, and decides whether a full or capped peer fitted alone.
         needs_matter = any(kind is WaitKind.FULL or kind is WaitKind.PER_TICK_CAP for kind, _, _ in keys)
         cache_key = (cls.id, band, pin, need if needs_matter else -1)
@@ -511,7 +606,7 @@ class _Tick:
 
     def verdicts(self, cls: _Class, band: Band, need: int, pin: str | None) -> list[PeerVerdict]:
         out: list[PeerVerdict] = []
-        for kind, detail, peers in self.verdict_keys(cls, band, pin):
+        for kind, detail, peers in self.verdict_keys(cls, band, pin, need):
             # A capacity verdict carries its numbers; any other only its message.
             token: str | None = None
             needed: int | None = None
@@ -546,6 +641,7 @@ def plan(
     max_per_peer: int | None = None,
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
+    backfill: Backfill | None = None,
 ) -> PlanResult:
     """Decide this tick's placements; see the module docstring for the rules.
 
@@ -554,8 +650,9 @@ def plan(
     there (``backend_id == ""``, nothing reserved) when that peer advertises no backend of its
     shape. Jobs whose ``deadline_ms`` has been reached are returned in ``expired``, never placed.
     A job id listed twice keeps its first entry. ``in_use`` are the jobs holding devices now, what
-    each user's fair share and caps count (:mod:`iris.policy.fairshare`); ``fair_share`` its
-    settings (default: :class:`FairShare`'s).
+    each user's fair share and caps count (:mod:`iris.policy.fairshare`) and, where they run and
+    since when, backfill (:mod:`iris.policy.backfill`); ``fair_share`` and ``backfill`` their
+    settings (default: :class:`FairShare`'s and :class:`Backfill`'s).
     """
     # A tick allocates a few objects per queued job. On a 50k-job queue a cyclic collection in the
     # middle of it scans the whole queue and can double the tick, so collection waits until after.
@@ -573,6 +670,7 @@ def plan(
             max_per_peer,
             in_use,
             fair_share or FairShare(),
+            backfill or Backfill(),
         )
     finally:
         if collecting:
@@ -589,8 +687,10 @@ def _plan(
     max_per_peer: int | None,
     in_use: Sequence[JobShape],
     policy: FairShare,
+    backfill: Backfill,
 ) -> PlanResult:
-    tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer)
+    releases = Releases(in_use, backfill, now_ms) if backfill.enabled else None
+    tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer, releases)
     shares = Shares(in_use, federation_totals(reports), policy)
     turns = Turns(unique_jobs(jobs), shares)
     capping = policy.quotas.any
@@ -606,6 +706,9 @@ def _plan(
     # Per shape, the class and whether the gate counts replicas (``cpu``) rather than chips.
     shape_cache: dict[tuple[tuple[Constraint, ...], str, str, bool], tuple[_Class, bool]] = {}
     pins: dict[str, str | None] = {}
+    # Backfill's holds, in the order they were made, and by the queue position of the held job.
+    holds: list[Hold] = []
+    held_at: dict[int, Hold] = {}
     while (turn := turns.next()) is not None:
         job, user = turn
         job_id = job.job_id
@@ -636,25 +739,35 @@ def _plan(
             if pin is None:
                 pin = pins[job.target_cluster] = pinned_cluster(job.target_cluster, tick.status)
 
+        end_ms = releases.end_of(job) if releases is not None else 0
+        admitted = tick.admission(cls, need, end_ms) if releases is not None else None
         choice: tuple[_Backend | None, bool] | None
         if pin:
-            choice = tick.pick_pinned(cls, pin, need, band)
+            choice = tick.pick_pinned(cls, pin, need, band, admitted)
         elif need >= cls.fails_from[band]:
             # Capacity only shrinks within a tick: a need that failed for this class and band
             # fails again, as does any larger one.
             choice = None
+        elif cls.token is not None:
+            choice = tick.pick_gated(cls, need, band, admitted)
+            if choice is None and admitted is None:
+                # (Not when a hold turned it away: a job that ends sooner may still go.)
+                cls.fails_from[band] = need
         else:
-            choice = tick.pick_gated(cls, need, band) if cls.token is not None else tick.pick_ungated(cls)
+            choice = tick.pick_ungated(cls)
             if choice is None:
-                cls.fails_from[band] = need if cls.token is not None else 0
+                cls.fails_from[band] = 0
         if choice is None:
             waiting.setdefault((cls.id, band, need, pin), []).append(position)
+            if (hold := tick.hold(cls, job, need, pin)) is not None:
+                holds.append(hold)
+                held_at[position] = hold
             continue
 
         b, preempts = choice
         peer_id = pin if b is None else b.peer_id
         assert peer_id is not None
-        tick.charge(peer_id, b, cls.token, need, band)
+        ahead_of = tick.charge(peer_id, b, cls.token, need, band, end_ms, preempts)
         shares.charge(job, user)
         verified = b is not None and is_verified(b.cap, cls.token)
         reserved = {cls.token: need} if verified and cls.token is not None else {}
@@ -671,7 +784,8 @@ def _plan(
                 verified=verified,
                 preempts=preempts,
                 forced=b is None,
-                reason=placement_reason(peer_id, backend_id, home, shape_rank, preempts),
+                reason=placement_reason(peer_id, backend_id, home, shape_rank, preempts, ahead_of),
+                ahead_of=ahead_of,
             )
         )
 
@@ -679,6 +793,22 @@ def _plan(
     merged: dict[object, tuple[list[int], WaitingGroup]] = {}
     for (cid, band, need, pin), members in waiting.items():
         merge_key, summary, code, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
+        # A job devices are held for reads so (its group is its own: the summary names where).
+        for position in [m for m in members if m in held_at] if held_at else ():
+            held_summary_ = held_summary(summary, held_at[position])
+            key = (held_summary_, ReasonCode.Reserved, merge_key[2])
+            entry = merged.get(key)
+            if entry is None:
+                group = WaitingGroup(
+                    job_ids=[], summary=held_summary_, code=ReasonCode.Reserved, verdicts=verdicts
+                )
+                merged[key] = ([position], group)
+            else:
+                entry[0].append(position)
+        if held_at:
+            members = [m for m in members if m not in held_at]
+            if not members:
+                continue
         entry = merged.get(merge_key)
         if entry is None:
             group = WaitingGroup(job_ids=[], summary=summary, code=code, verdicts=verdicts)
@@ -696,7 +826,9 @@ def _plan(
         group.job_ids = [order[position] for position in members]
         groups.append((members[0], group))
     groups.sort(key=lambda item: item[0])
-    return PlanResult(placements=placements, expired=expired, waiting=[group for _, group in groups])
+    return PlanResult(
+        placements=placements, expired=expired, waiting=[group for _, group in groups], holds=holds
+    )
 
 
 def plan_request(request: PlanRequest) -> PlanResult:
@@ -711,4 +843,5 @@ def plan_request(request: PlanRequest) -> PlanResult:
         max_per_peer=request.max_per_peer,
         in_use=request.in_use,
         fair_share=request.fair_share,
+        backfill=request.backfill,
     )

@@ -27,6 +27,11 @@ class ReasonCode(StrEnum):
     # order (a higher band, or earlier in its band's fair-share order) took the capacity first, or
     # a peer's per-tick placement cap was reached.
     Priority = "Priority"
+    # Devices are held for it (backfill, docs/DESIGN.md "Backfill"): none of its backends is free
+    # enough now, and on one of them enough will be once the jobs there reach their time limits;
+    # until then only jobs that end before that start may use them. ``describe`` shows where and
+    # from when.
+    Reserved = "Reserved"
     # Its user holds as many devices as a cap in the config allows (``[quotas]``: in all, or in
     # the job's band), counting what this tick placed: it waits for the user's own jobs to end.
     UserQuota = "UserQuota"
@@ -87,6 +92,7 @@ WAITING_CODES = frozenset(
         ReasonCode.NoCapacity,
         ReasonCode.PinnedPeerFull,
         ReasonCode.Priority,
+        ReasonCode.Reserved,
         ReasonCode.UserQuota,
         ReasonCode.PeerUnreachable,
         ReasonCode.PeerStale,

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from iris.policy.availability import Capacity, PeerStatus, gate, is_verified, peer_status, working_capacity
+from iris.policy.backfill import Releases, Slot, admits, choose_hold, held_summary, take, usable
 from iris.policy.explain import (
     cap_message,
     full_message,
@@ -27,9 +28,11 @@ from iris.policy.explain import (
 from iris.policy.fairshare import Shares, federation_totals, unique_jobs
 from iris.policy.models import (
     BackendReport,
+    Backfill,
     Band,
     Constraint,
     FairShare,
+    Hold,
     JobShape,
     PeerReport,
     PeerVerdict,
@@ -96,6 +99,7 @@ def plan_reference(
     max_per_peer: int | None = None,
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
+    backfill: Backfill | None = None,
 ) -> PlanResult:
     return plan_turns(
         jobs,
@@ -107,6 +111,7 @@ def plan_reference(
         max_per_peer=max_per_peer,
         in_use=in_use,
         fair_share=fair_share,
+        backfill=backfill,
     )[0]
 
 
@@ -121,6 +126,7 @@ def plan_turns(
     max_per_peer: int | None = None,
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
+    backfill: Backfill | None = None,
 ) -> tuple[PlanResult, list[str]]:
     """:func:`plan_reference`, and the job ids in the order their turns came."""
     peers = peer_order(reports, home)
@@ -144,11 +150,16 @@ def plan_turns(
     for job, user in sorted(unique_jobs(jobs), key=lambda item: (item[0].submit_ms, item[0].job_id)):
         lanes.setdefault((job.band, user), deque()).append(job)
     turns: list[str] = []
+    # Backfill (iris/policy/backfill.py): when held devices come back, and what is held for whom.
+    settings = backfill or Backfill()
+    releases = Releases(in_use, settings, now_ms) if settings.enabled else None
+    holds: dict[Slot, Hold] = {}
 
     placements: list[Placement] = []
     expired: list[str] = []
     waiting: list[tuple[int, JobShape, str | None]] = []
     capped: list[tuple[int, JobShape, str]] = []
+    held: list[Hold] = []
     while lanes:
         # The next turn: the highest band, then the smallest (virtual submit time, submit, id).
         band, user = min(lanes, key=lambda lane: (lane[0], shares.key(lanes[lane][0], lane[1])))
@@ -167,6 +178,7 @@ def plan_turns(
         constraints = job_constraints(job)
         need = gate(job.device)
         pin = pinned_cluster(job.target_cluster, status)
+        end_ms = releases.end_of(job) if releases is not None else 0
         best: _Rank | None = None
         for p in peers:
             if status[p.peer_id] is not PeerStatus.OK:
@@ -190,6 +202,8 @@ def plan_turns(
                     rank = (0, 0, not_home, 0, p.peer_id, b.backend_id)
                 else:
                     token, amount = need
+                    if not admits(holds.get((p.peer_id, b.backend_id, token)), amount, end_ms):
+                        continue  # held for a job ahead, and this one would not give it back in time
                     if cap.idle(token) >= amount:
                         rank = (0, 0, not_home, cap.idle(token) - amount, p.peer_id, b.backend_id)
                     elif cap.effective(token, job.band) >= amount:
@@ -210,6 +224,14 @@ def plan_turns(
                 best = (2, 0, not_home, 0, p.peer_id, "")
         if best is None:
             waiting.append((position, job, pin))
+            if releases is not None and need is not None:
+                open_peers = [
+                    p for p in peers if max_per_peer is None or placed_on.get(p.peer_id, 0) < max_per_peer
+                ]
+                hold = _hold(job, need, pin, open_peers, status, capacity, attrs, holds, releases)
+                if hold is not None:
+                    holds[(hold.peer_id, hold.backend_id, hold.token)] = hold
+                    held.append(hold)
             continue
         shape_only, preempts, _, _, peer_id, backend_id = best
         placed_on[peer_id] = placed_on.get(peer_id, 0) + 1
@@ -217,12 +239,18 @@ def plan_turns(
         cap = capacity.get((peer_id, backend_id)) if backend_id else None
         reserved: dict[str, int] = {}
         epoch: int | None = None
+        ahead_of: str | None = None
         if cap is not None:
             block = next(b for b in _peer(peers, peer_id).backends if b.backend_id == backend_id).availability
             epoch = block.observation_epoch_ms if block is not None else None
             if need is not None and cap.verifies(need[0]):
                 cap.spend(need[0], need[1], job.band)
                 reserved = {need[0]: need[1]}
+                if releases is not None:
+                    slot = (peer_id, backend_id, need[0])
+                    ahead_of = take(holds.get(slot), need[1], end_ms)
+                    if not preempts:  # a preemptor's devices are its victims', already counted
+                        releases.add(slot, end_ms, need[1])
         placements.append(
             Placement(
                 job_id=job.job_id,
@@ -234,33 +262,70 @@ def plan_turns(
                 verified=shape_only == 0,
                 preempts=bool(preempts),
                 forced=backend_id == "",
-                reason=placement_reason(peer_id, backend_id, home, shape_only, bool(preempts)),
+                reason=placement_reason(peer_id, backend_id, home, shape_only, bool(preempts), ahead_of),
+                ahead_of=ahead_of,
             )
         )
 
     groups = []
+    held_for = {h.job_id: h for h in held}
     for position, job, pin in waiting:
         verdicts = _verdicts(
-            job, pin, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms
+            job, pin, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms, holds
         )
         fit = _alone_fits(job, pin, verdicts, initial, attrs)
-        groups.append(
-            ([(position, job.job_id)], summarize(pin, verdicts), reason_code(pin, verdicts, fit), verdicts)
-        )
+        summary, code = summarize(pin, verdicts), reason_code(pin, verdicts, fit)
+        if (hold := held_for.get(job.job_id)) is not None:
+            summary, code = held_summary(summary, hold), ReasonCode.Reserved
+        groups.append(([(position, job.job_id)], summary, code, verdicts))
     for position, job, refusal in capped:
         groups.append(([(position, job.job_id)], refusal, ReasonCode.UserQuota, []))
-    return PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups)), turns
+    result = PlanResult(placements=placements, expired=expired, waiting=merge_groups(groups), holds=held)
+    return result, turns
 
 
-def placement_reason(peer_id: str, backend_id: str, home: str, shape_only: int, preempts: bool) -> str:
+def _hold(
+    job: JobShape,
+    need: tuple[str, int],
+    pin: str | None,
+    peers: Sequence[PeerReport],
+    status: dict[str, PeerStatus],
+    capacity: dict[tuple[str, str], Capacity | None],
+    attrs: dict[tuple[str, str], dict[str, frozenset[str]]],
+    holds: dict[Slot, Hold],
+    releases: Releases,
+) -> Hold | None:
+    """Devices to hold for a gated job that found no room: every candidate backend of an answering
+    peer below its per-tick cap (``peers``) that reports the job's token and holds for no one yet,
+    in (home first, peer, backend) order."""
+    token, amount = need
+    constraints = job_constraints(job)
+    candidates: list[tuple[Slot, int]] = []
+    for p in peers:
+        if status[p.peer_id] is not PeerStatus.OK or (pin and pin != p.peer_id):
+            continue
+        for b in sorted(unique_backends(p), key=lambda b: b.backend_id):
+            cap = capacity[(p.peer_id, b.backend_id)]
+            slot = (p.peer_id, b.backend_id, token)
+            if cap is None or not cap.verifies(token) or slot in holds:
+                continue
+            if _matches(constraints, attrs[(p.peer_id, b.backend_id)]):
+                candidates.append((slot, cap.idle(token)))
+    return choose_hold(job.job_id, token, amount, candidates, releases)
+
+
+def placement_reason(
+    peer_id: str, backend_id: str, home: str, shape_only: int, preempts: bool, ahead_of: str | None = None
+) -> str:
     where = "the home cluster" if peer_id == home else f"peer {peer_id}"
     if shape_only == 2:
         return f"Pinned to {where}, which advertises no backend of this shape: force-routed"
     if shape_only == 1:
         return f"Placed on {where} backend {backend_id} by shape (it reports no capacity for this job)"
-    if preempts:
-        return f"Placed on {where} backend {backend_id} by reclaiming lower-priority work"
-    return f"Placed on {where} backend {backend_id} with free capacity"
+    how = "by reclaiming lower-priority work" if preempts else "with free capacity"
+    if ahead_of is not None:
+        how += f", ahead of {ahead_of} (backfill: its time limit ends before that job's reserved start)"
+    return f"Placed on {where} backend {backend_id} {how}"
 
 
 def _peer(peers: Sequence[PeerReport], peer_id: str) -> PeerReport:
@@ -303,6 +368,7 @@ def _verdicts(
     placed_on: dict[str, int],
     max_per_peer: int | None,
     stale_after_ms: int,
+    holds: dict[Slot, Hold],
 ) -> list[PeerVerdict]:
     """Why no peer took ``job``, read off the end-of-tick state (capacity only shrinks in a tick)."""
     constraints = job_constraints(job)
@@ -334,7 +400,7 @@ def _verdicts(
         token, amount = need
         band: Band = job.band
         available = max(
-            c.effective(token, band)
+            usable(holds.get((p.peer_id, b.backend_id, token)), c.effective(token, band), amount)
             for b in matching
             if (c := capacity[(p.peer_id, b.backend_id)]) is not None and c.verifies(token)
         )

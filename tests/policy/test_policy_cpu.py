@@ -37,6 +37,7 @@ from iris.policy import (
     plan_reference,
     working_capacity,
 )
+from iris.policy.reasons import ReasonCode
 from iris.store import FederationStore, JobHandle, PromoteOutcome
 
 HOME = "marin"
@@ -159,15 +160,19 @@ class TestPlanner:
         jobs = cpu_jobs(10, replicas=2)
         result = tick(jobs, peer(HOME), peer("cw", cpu_slots("p", 7)))
         assert [p.reserved for p in result.placements] == [{"cpu": 2}] * 3
-        (group,) = result.waiting
-        assert group.job_ids == [j.job_id for j in jobs[3:]]
-        verdict = next(v for v in group.verdicts if "cw" in v.peer_ids)
-        assert (verdict.kind, verdict.token, verdict.needed, verdict.available) == (
-            WaitKind.FULL,
-            "cpu",
-            2,
-            1,
-        )
+        # The first left waiting has slots held for it (backfill: the placed jobs' time limits say
+        # when theirs come back); the rest wait behind it. Both read the one slot left.
+        held, rest = result.waiting
+        assert (held.job_ids, held.code) == ([jobs[3].job_id], ReasonCode.Reserved)
+        assert rest.job_ids == [j.job_id for j in jobs[4:]]
+        for group in (held, rest):
+            verdict = next(v for v in group.verdicts if "cw" in v.peer_ids)
+            assert (verdict.kind, verdict.token, verdict.needed, verdict.available) == (
+                WaitKind.FULL,
+                "cpu",
+                2,
+                1,
+            )
 
     def test_ledger_reservations_count_against_cpu(self) -> None:
         ledger = [Reservation(peer_id="cw", backend_id="p", observation_epoch_ms=EPOCH, amounts={"cpu": 7})]

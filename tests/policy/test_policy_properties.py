@@ -134,6 +134,8 @@ def job_shapes(draw: st.DrawFn, job_id: str, peer_ids: list[str]) -> JobShape:
         target_cluster=pin,
         submit_ms=draw(st.integers(0, 5)),
         deadline_ms=draw(st.sampled_from((None, None, None, NOW, NOW + 1))),
+        # Backfill's time limits: a few values, so some end before a hold's start and some after.
+        time_limit_ms=draw(st.sampled_from((None, None, 60_000, 600_000, 7_200_000))),
     )
 
 

@@ -10,11 +10,21 @@ from hypothesis import given
 from policy_factories import EPOCH, NOW, STALE, backend, cpu_backend, cpu_job, eq, gpu_attrs, h100, job, peer
 from test_policy_properties import SETTINGS, Scenario, run, scenarios
 
-from iris.policy import JobShape, PeerReport, PeerVerdict, Reservation, WaitKind, plan, plan_reference
+from iris.policy import (
+    Backfill,
+    JobShape,
+    PeerReport,
+    PeerVerdict,
+    Reservation,
+    WaitKind,
+    plan,
+    plan_reference,
+)
 from iris.policy.explain import reason_code
 from iris.policy.reasons import WAITING_CODES, ReasonCode
 
 HOME = "marin"
+NO_BACKFILL = Backfill(enabled=False)
 
 
 def codes(
@@ -23,7 +33,9 @@ def codes(
     reservations: list[Reservation] | None = None,
     cap: int | None = None,
 ) -> dict[str, ReasonCode]:
-    """Each waiting job's code, checked to be the same from the planner and the reference."""
+    """Each waiting job's code, checked to be the same from the planner and the reference. Backfill
+    off: it would hold devices for the first job left waiting (``Reserved``, which its own tests
+    cover: tests/policy/test_policy_backfill.py) once this tick's placements say when they end."""
     found: list[dict[str, ReasonCode]] = []
     for planner in (plan, plan_reference):
         result = planner(
@@ -34,6 +46,7 @@ def codes(
             now_ms=NOW,
             stale_after_ms=STALE,
             max_per_peer=cap,
+            backfill=NO_BACKFILL,
         )
         found.append({j: g.code for g in result.waiting for j in g.job_ids})
     assert found[0] == found[1]
@@ -184,7 +197,12 @@ def test_jobs_with_the_same_verdicts_but_different_codes_are_not_merged() -> Non
     ]
     for planner in (plan, plan_reference):
         result = planner(
-            jobs, home=HOME, reports=[peer(HOME, cpu_backend()), cw_a], now_ms=NOW, stale_after_ms=STALE
+            jobs,
+            home=HOME,
+            reports=[peer(HOME, cpu_backend()), cw_a],
+            now_ms=NOW,
+            stale_after_ms=STALE,
+            backfill=NO_BACKFILL,
         )
         assert result.placement_for("east") is not None
         waiting = {j: g for g in result.waiting for j in g.job_ids}
@@ -219,6 +237,9 @@ def test_priority_means_placed_if_it_were_alone_in_the_queue(s: Scenario) -> Non
     result = run(s)
     by_id = {j.job_id: j for j in queue}
     for group in result.waiting:
+        if group.code is ReasonCode.Reserved:  # held for (backfill), whether it fitted alone or not
+            assert all(result.hold_for(job_id) is not None for job_id in group.job_ids)
+            continue
         for job_id in group.job_ids:
             alone = run(s, [by_id[job_id]])
             placed_alone = alone.placement_for(job_id) is not None
@@ -235,7 +256,9 @@ def test_each_code_is_the_verdicts_precedence(s: Scenario) -> None:
         kinds = {v.kind for v in group.verdicts}
         code = group.code
         assert code in WAITING_CODES and code is not ReasonCode.Pending
-        if code is ReasonCode.Priority:
+        held = [result.hold_for(j) is not None for j in group.job_ids]
+        assert held == [code is ReasonCode.Reserved] * len(held)
+        if code in (ReasonCode.Priority, ReasonCode.Reserved):
             continue
         answered = kinds & {WaitKind.FULL, WaitKind.PER_TICK_CAP}
         pinned = {bool(by_id[j].target_cluster) for j in group.job_ids}
