@@ -74,6 +74,8 @@ _NEVER = float("inf")
 # (available amount, peer id, backend id, backend index): sorts as the planner ranks backends.
 _Entry = tuple[int, str, str, int]
 _Row = tuple[str, WaitKind, str, str | None, int | None, int | None]
+# (summary, code, verdicts as (kind, message, peers)): identical explanations merge on it.
+_MergeKey = tuple[str, ReasonCode, tuple[tuple[WaitKind, str, tuple[str, ...]], ...]]
 
 
 class _Backend:
@@ -265,7 +267,7 @@ class _Tick:
         self.satisfying_cache: dict[int, list[set[int]]] = {}
         self.peer_indexes = {pid: frozenset(b.idx for b in own) for pid, own in self.all_backends.items()}
         self.explanation_cache: dict[
-            tuple[int, Band, str | None, int], tuple[object, str, ReasonCode, list[PeerVerdict]]
+            tuple[int, Band, str | None, int], tuple[_MergeKey, str, ReasonCode, list[PeerVerdict]]
         ] = {}
         self.keys_cache: dict[
             tuple[int, Band, str | None, int], list[tuple[WaitKind, str | int, list[str]]]
@@ -562,7 +564,7 @@ class _Tick:
 
     def explanation(
         self, cls: _Class, band: Band, need: int, pin: str | None
-    ) -> tuple[object, str, ReasonCode, list[PeerVerdict]]:
+    ) -> tuple[_MergeKey, str, ReasonCode, list[PeerVerdict]]:
         """(merge key, summary, code, verdicts) for jobs left waiting; shared across needs when
         none is FULL."""
         keys = self.verdict_keys(cls, band, pin, need)
@@ -790,7 +792,7 @@ def _plan(
         )
 
     # Identical explanations merge into one group, whatever class, band or need produced them.
-    merged: dict[object, tuple[list[int], WaitingGroup]] = {}
+    merged: dict[_MergeKey, tuple[list[int], WaitingGroup]] = {}
     for (cid, band, need, pin), members in waiting.items():
         merge_key, summary, code, verdicts = tick.explanation(tick.classes[cid], band, need, pin)
         # A job devices are held for reads so (its group is its own: the summary names where).
