@@ -86,4 +86,5 @@ class InquiryActivities:
             max_per_peer=config.max_per_peer_per_tick,
             in_use=in_use,
             fair_share=config.fair_share(),
+            backfill=config.backfill_policy(),
         )

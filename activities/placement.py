@@ -25,7 +25,7 @@ from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.jobs import WaitReason
 from iris.policy import plan_request
-from iris.policy.models import DeviceRequest, JobShape, Placement, PlanRequest, WaitingGroup
+from iris.policy.models import DeviceRequest, Hold, JobShape, Placement, PlanRequest, RunningOn, WaitingGroup
 from iris.reports import FederationView, gather_reports
 from iris.store.models import Fence
 
@@ -38,6 +38,17 @@ RECONCILE_OVERLAP_S = 120.0
 # each); more wait for the next look, so a mass termination never stalls the tick.
 RECONCILE_PER_LOOK = 100
 FENCES_PER_TICK = 50
+# A held job is signalled again when its held start moves by this much (docs/DESIGN.md, "Backfill").
+HOLD_DRIFT_MS = 60_000
+
+
+def running_on(offer: Placement, now_ms: int) -> RunningOn | None:
+    """Where an offered job will hold devices, reckoned from now; None if force-routed."""
+    if not offer.backend_id:
+        return None
+    return RunningOn(peer_id=offer.peer_id, backend_id=offer.backend_id, since_ms=now_ms)
+
+
 # The tick heartbeats this often; the manager's heartbeat timeout (a few of these) is how soon a
 # tick lost with its worker is retried, instead of after the whole start-to-close timeout.
 HEARTBEAT_EVERY_S = 1.0
@@ -215,6 +226,8 @@ class PlacementActivities:
         # after a restart a job is at worst offered twice, which its promotion CAS absorbs.
         self._lease_s = offer_lease_s
         self._offers: dict[str, tuple[float, Placement]] = {}
+        # Per job held for (backfill), the hold as last signalled: (peer, backend, start).
+        self._holds_sent: dict[str, tuple[str, str, int]] = {}
         # Closed workflows are looked for every ``reconcile_every_s``, since the last look (the first
         # look after a start goes back a day).
         self._reconcile_every_s = reconcile_every_s
@@ -224,6 +237,24 @@ class PlacementActivities:
         # again, and they are skipped until they fall out of the window.
         self._reconciled_runs: dict[tuple[str, str], float] = {}
         self.metrics = TickMetrics(max(STALE_GAUGES_MIN_S, STALE_GAUGES_TICKS * config.tick_interval_s))
+
+    def _holds_moved(self, holds: list[Hold]) -> set[str]:
+        """The jobs whose held devices moved since they were last signalled: held anew, on another
+        backend, or from a start a minute or more off (a start drifts a little every tick)."""
+        moved: set[str] = set()
+        sent: dict[str, tuple[str, str, int]] = {}
+        for h in holds:
+            last = self._holds_sent.get(h.job_id)
+            if (
+                last is None
+                or last[:2] != (h.peer_id, h.backend_id)
+                or abs(last[2] - h.start_ms) >= HOLD_DRIFT_MS
+            ):
+                moved.add(h.job_id)
+                last = (h.peer_id, h.backend_id, h.start_ms)
+            sent[h.job_id] = last
+        self._holds_sent = sent
+        return moved
 
     def _outstanding(self, queued: list[str]) -> dict[str, Placement]:
         """Offers still awaiting their job's answer; answered (no longer queued) or lapsed ones go."""
@@ -355,7 +386,13 @@ class PlacementActivities:
         offered = self._outstanding([h.job_id for h in queued])
         held = [r for p in offered.values() if (r := p.reservation()) is not None]
         planned = [h.shape for h in queued if h.job_id not in offered]
-        holding += [h.shape for h in queued if h.job_id in offered]
+        # An offered job counts where it was offered, from the offer (backfill: its devices'
+        # return is reckoned from then).
+        holding += [
+            h.shape.model_copy(update={"running_on": running_on(offered[h.job_id], now_ms)})
+            for h in queued
+            if h.job_id in offered
+        ]
         t0 = time.perf_counter()
         result = plan_request(
             PlanRequest(
@@ -368,6 +405,7 @@ class PlacementActivities:
                 max_per_peer=inp.max_per_peer,
                 in_use=holding,
                 fair_share=self._config.fair_share(),
+                backfill=self._config.backfill_policy(),
             )
         )
         plan_ms = (time.perf_counter() - t0) * 1000
@@ -381,8 +419,18 @@ class PlacementActivities:
             (j, contract.EXPIRE, None) for j in [*expired, *result.expired]
         ]
         sends += [(p.job_id, contract.PLACE, p) for p in result.placements]
-        # The reason with its code (docs/DESIGN.md, "Reason codes"), signalled when either changed.
-        sends += [(j, contract.EXPLAIN_REASON, WaitReason(reason=reasons[j], code=codes[j])) for j in changed]
+        # The reason with its code (docs/DESIGN.md, "Reason codes"), signalled when either changed,
+        # or when the devices held for the job moved (another peer, or a start a minute off).
+        moved = self._holds_moved(result.holds)
+        hold_for = {h.job_id: h for h in result.holds}
+        sends += [
+            (
+                j,
+                contract.EXPLAIN_REASON,
+                WaitReason(reason=reasons[j], code=codes[j], hold=hold_for.get(j)),
+            )
+            for j in sorted({*changed, *moved} & reasons.keys())
+        ]
         gone = await asyncio.gather(*(self._signal(j, name, arg) for j, name, arg in sends))
         abandoned = sum(gone) + await self._reconcile()
         fenced = await self._fence(view)

@@ -561,7 +561,10 @@ def describe_command(
                 slots = f" slots {','.join(map(str, t.slots))}" if t.slots else ""
                 lines.append(f"  replica {t.index}: {t.state}{exit_code}{slots}")
         lines.append("Events:")
-        lines += [f"  {_clock(e.at_ms)}  {e.state.value:<16} {e.message}" for e in st.events]
+        lines += [
+            f"  {_clock(e.at_ms)}  {e.state.value:<16} {e.message}" + (f" [{e.code}]" if e.code else "")
+            for e in st.events
+        ]
         if st.cluster is not None:
             latest = latest_attempt(st)
             with contextlib.suppress(IrisError):

@@ -8,6 +8,7 @@ controller read the same file, so the demo stack and the tests agree on one topo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tomllib
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from iris.defaults import DEFAULT_DATA_DIR as DEFAULT_DATA_DIR
 from iris.defaults import PROJECT_ROOT as PROJECT_ROOT
-from iris.policy.models import Band, FairShare, Quotas
+from iris.policy.models import DEFAULT_BAND_LIMITS_MS, Backfill, Band, FairShare, Quotas
 from iris.userkeys import parse_public_key
 
 DEFAULT_CONFIG = PROJECT_ROOT / "config" / "clusters.toml"
@@ -437,6 +438,37 @@ class QuotasConfig(BaseModel):
         )
 
 
+class BackfillConfig(BaseModel):
+    """Backfill (docs/DESIGN.md, "Backfill"): devices are held for a job that cannot start where it
+    can start soonest, and a later job may use them meanwhile only if its time limit ends first.
+    A job's time limit is its ``--timeout``; these are the limits assumed for jobs without one,
+    per band (an estimate: only ``--timeout`` is enforced)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Off: nothing is held; every job that fits goes (the tick before backfill).
+    enabled: bool = True
+    # The time limit of a job without --timeout, per band, in seconds.
+    default_limit_s: dict[str, float] = Field(
+        default_factory=lambda: {b.label: ms / 1000 for b, ms in DEFAULT_BAND_LIMITS_MS.items()}
+    )
+
+    @field_validator("default_limit_s")
+    @classmethod
+    def _limits(cls, value: dict[str, float]) -> dict[str, float]:
+        for band, limit in value.items():
+            if band not in _BANDS:
+                raise ValueError(f"unknown band {band!r} (one of {', '.join(_BANDS)})")
+            if not (math.isfinite(limit) and limit >= 1):
+                raise ValueError(f"the default time limit of band {band} must be at least 1 s, got {limit}")
+        return value
+
+    def policy(self) -> Backfill:
+        limits = dict(DEFAULT_BAND_LIMITS_MS)
+        limits.update({Band.parse(band): math.ceil(s * 1000) for band, s in self.default_limit_s.items()})
+        return Backfill(enabled=self.enabled, default_limit_ms=limits)
+
+
 class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
@@ -463,6 +495,9 @@ class FederationConfig(BaseModel):
     aging_horizon_s: float = Field(default=600.0, ge=0, le=7 * 86_400)
     # Per-user caps on devices in use (`[quotas]`); none by default.
     quotas: QuotasConfig = QuotasConfig()
+    # Backfill (`[backfill]`): on by default, with a day for production and batch jobs without
+    # --timeout and four hours for interactive ones.
+    backfill: BackfillConfig = BackfillConfig()
     # Mirroring (docs/DESIGN.md, "The change feed"): one watcher per cluster long-polls its change
     # feed and signals each changed job (and re-signals every running job every 30 minutes); a
     # running job also asks its cluster itself this often (the safety poll, which also refreshes
@@ -499,6 +534,10 @@ class FederationConfig(BaseModel):
     def fair_share(self) -> FairShare:
         """The tick's fair-share settings (iris/policy/fairshare.py)."""
         return FairShare(aging_horizon_ms=round(self.aging_horizon_s * 1000), quotas=self.quotas.policy())
+
+    def backfill_policy(self) -> Backfill:
+        """The tick's backfill settings (iris/policy/backfill.py)."""
+        return self.backfill.policy()
 
     def cluster(self, name: str) -> ClusterConfig:
         for c in self.clusters:

@@ -28,7 +28,7 @@ from iris.controller.models import (
 )
 from iris.defaults import MAX_RETRIES as MAX_RETRIES
 from iris.defaults import MAX_TIMEOUT_S as MAX_TIMEOUT_S
-from iris.policy.models import Band, Constraint, DeviceRequest, JobShape
+from iris.policy.models import Band, Constraint, DeviceRequest, Hold, JobShape
 from iris.policy.reasons import ReasonCode
 from iris.policy.routing import MAX_COUNT
 from iris.store.models import HandleState
@@ -391,6 +391,8 @@ class JobSpec(BaseModel):
             deadline_ms=deadline,
             # Verified against the signature before the job reaches the queue (authenticate).
             user=self.user,
+            # Backfill plans with it (docs/DESIGN.md, "Backfill"); None: the band's default.
+            time_limit_ms=math.ceil(self.timeout_s * 1000) if self.timeout_s is not None else None,
         )
 
     @property
@@ -427,6 +429,8 @@ class WaitReason(BaseModel):
 
     reason: str
     code: ReasonCode
+    # With ``Reserved``: the devices the tick holds for the job, where and from when.
+    hold: Hold | None = None
 
 
 class JobEvent(BaseModel):
@@ -435,6 +439,9 @@ class JobEvent(BaseModel):
     at_ms: int
     state: JobState
     message: str
+    # The stable code of a decision the line records, where it has one (a backfilled promotion:
+    # ``Backfilled``); None for most lines.
+    code: ReasonCode | None = None
 
 
 class TaskView(BaseModel):
@@ -469,6 +476,9 @@ class JobStatus(BaseModel):
     spec: JobSpec | None = None
     # Every delivery of the job, in order; the last is the current one.
     attempts: list[AttemptView] = Field(default_factory=list)
+    # What the last tick held for the job while it waits (code ``Reserved``, docs/DESIGN.md
+    # "Backfill"); shown only while the job is queued with that code.
+    hold: Hold | None = None
 
     @property
     def terminal(self) -> bool:

@@ -25,6 +25,7 @@ from iris.policy.explain import no_shape_message
 from iris.policy.fairshare import account, fill_order, held_devices
 from iris.policy.models import (
     BackendReport,
+    Backfill,
     Band,
     Constraint,
     Disposition,
@@ -220,6 +221,7 @@ def dry_run(
     max_per_peer: int | None = None,
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
+    backfill: Backfill | None = None,
 ) -> DryRun:
     """Classify ``job`` as its workflow would, then plan the queue with it added as the tick would.
 
@@ -285,6 +287,7 @@ def dry_run(
         max_per_peer=max_per_peer,
         in_use=[*in_use, *aliases],
         fair_share=fair_share,
+        backfill=backfill,
     )
     placement = decision.placement if decision.disposition is Disposition.LOCAL and not pin else None
     waiting: str | None = None

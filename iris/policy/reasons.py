@@ -32,6 +32,10 @@ class ReasonCode(StrEnum):
     # until then only jobs that end before that start may use them. ``describe`` shows where and
     # from when.
     Reserved = "Reserved"
+    # Not a wait: the code of a promotion that went ahead of a job devices were held for, because
+    # its time limit ends before that job's reserved start (backfill). ``describe`` shows it on the
+    # promotion's event line.
+    Backfilled = "Backfilled"
     # Its user holds as many devices as a cap in the config allows (``[quotas]``: in all, or in
     # the job's band), counting what this tick placed: it waits for the user's own jobs to end.
     UserQuota = "UserQuota"

@@ -29,7 +29,7 @@ from sqlalchemy.exc import DBAPIError
 
 from iris.policy.availability import live_reservations, usable_block, working_capacity
 from iris.policy.explain import CANCELLED_BEFORE_HANDOFF, DEADLINE_PASSED
-from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservation
+from iris.policy.models import Band, JobShape, PeerReport, Placement, Reservation, RunningOn
 from iris.policy.reasons import ReasonCode
 from iris.store.errors import StoreConflict, StoreError
 from iris.store.models import (
@@ -289,17 +289,28 @@ class FederationStore:
     def in_use(self) -> list[JobShape]:
         """The shapes of the jobs holding devices: promoted (PENDING_HANDOFF) or handed off, by job
         id; what the fair share counts (docs/DESIGN.md, "Fair share and aging"). A parked job
-        (HANDOFF_FAILED) holds none. The shape alone is read: it names the user (shapes stored
-        before it did leave it empty, and the policy reads the job id's prefix)."""
+        (HANDOFF_FAILED) holds none. The shape names the user (shapes stored before it did leave it
+        empty, and the policy reads the job id's prefix) and its time limit; ``running_on`` is the
+        handle's peer and backend, since its last change (the promotion, then the handoff), which
+        backfill reads as its start (docs/DESIGN.md, "Backfill"). A force-routed job (no backend)
+        has none."""
         holding = [HandleState.PENDING_HANDOFF.value, HandleState.HANDED_OFF.value]
+        t = job_handles.c
 
         def body(conn: Connection) -> list[JobShape]:
             rows = conn.execute(
-                select(job_handles.c.shape)
-                .where(job_handles.c.state.in_(holding))
-                .order_by(job_handles.c.job_id)
-            ).scalars()
-            return [JobShape.model_validate_json(shape) for shape in rows]
+                select(t.shape, t.assigned_peer, t.assigned_backend, t.updated_ms)
+                .where(t.state.in_(holding))
+                .order_by(t.job_id)
+            )
+            shapes: list[JobShape] = []
+            for shape, peer_id, backend_id, since_ms in rows:
+                parsed = JobShape.model_validate_json(shape)
+                if peer_id and backend_id:
+                    where = RunningOn(peer_id=peer_id, backend_id=backend_id, since_ms=since_ms)
+                    parsed = parsed.model_copy(update={"running_on": where})
+                shapes.append(parsed)
+            return shapes
 
         return self._run(body, write=False)
 

@@ -13,7 +13,7 @@ from temporalio.exceptions import ApplicationError
 with workflow.unsafe.imports_passed_through():
     from activities.watch import Observation
     from iris.jobs import CancelOutcome, CancelRequest, JobState, ReplayRequest
-    from iris.policy.models import Placement
+    from iris.policy.models import Hold, Placement
     from iris.policy.reasons import ReasonCode
     from iris.userauth import Action
 
@@ -31,12 +31,15 @@ def place(ctx: Ctx, placement: Placement) -> None:
         run.mailbox.placement = placement
 
 
-def explained(ctx: Ctx, reason: str, code: ReasonCode | None) -> None:
+def explained(ctx: Ctx, reason: str, code: ReasonCode | None, hold: Hold | None = None) -> None:
     """Why the job is still queued: kept, and shown at once if the job is shown queued (a
-    ``code`` None, from a tick that predates reason codes, leaves the code as it was)."""
+    ``code`` None, from a tick that predates reason codes, leaves the code as it was). The
+    devices held for it (backfill) are kept for ``describe``: no command, only the query's
+    answer changes."""
     run = ctx.run
     mail = run.mailbox
     mail.explanation = reason
+    run.status.hold = hold
     if code is not None:
         mail.explanation_code = code
     if run.status.state is JobState.QUEUED_HANDOFF:

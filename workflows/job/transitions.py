@@ -70,10 +70,11 @@ def may_show(phase: Phase) -> frozenset[JobState]:
     return SHOWS[phase].union(*(SHOWS[n] for n in NEXT[phase]))
 
 
-def event(ctx: Ctx, state: JobState, message: str) -> None:
-    """One line of the job's story (``iris job describe``), without a move."""
+def event(ctx: Ctx, state: JobState, message: str, code: ReasonCode | None = None) -> None:
+    """One line of the job's story (``iris job describe``), without a move; ``code`` names the
+    decision it records, if it has one (no command: only the query's answer shows it)."""
     st = ctx.run.status
-    st.events.append(JobEvent(at_ms=now_ms(), state=state, message=message))
+    st.events.append(JobEvent(at_ms=now_ms(), state=state, message=message, code=code))
     st.updated_ms = now_ms()
 
 

@@ -88,7 +88,7 @@ class JobWorkflow:
     @workflow.signal(name=contract.EXPLAIN_REASON)
     def explain_reason(self, why: WaitReason) -> None:
         """From the placement tick: why the job is still queued (the pending reason) and its code."""
-        messages.explained(self._ctx, why.reason, why.code)
+        messages.explained(self._ctx, why.reason, why.code, why.hold)
 
     @workflow.signal(name=contract.EXPIRE)
     def expire(self) -> None:

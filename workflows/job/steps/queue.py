@@ -172,7 +172,11 @@ async def promote(ctx: Ctx, placement: Placement, *, retake: bool = False) -> Pl
     target = f"{placement.peer_id}/{placement.backend_id or '-'}"
     if result.promoted:
         backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
-        transitions.event(ctx, run.status.state, f"promoted to {target}: {placement.reason or 'placed'}")
+        # A backfilled placement (docs/DESIGN.md, "Backfill") says so by its code.
+        code = ReasonCode.Backfilled if placement.ahead_of else None
+        transitions.event(
+            ctx, run.status.state, f"promoted to {target}: {placement.reason or 'placed'}", code
+        )
         run.promoted = placement.model_copy(update={"backend_id": backend})
         return run.promoted
     handle = result.handle
