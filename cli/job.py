@@ -20,6 +20,7 @@ from iris.defaults import MAX_RETRIES, MAX_TIMEOUT_S
 if TYPE_CHECKING:
     from iris.client import AsyncIrisClient, JobSummary
     from iris.jobs import AttemptView, JobSpec, JobStatus
+    from iris.policy.models import Hold
     from iris.policy.queue import DryRun, QueuePosition
 
 job_app = typer.Typer(rich_markup_mode=None, help="Submit and inspect jobs.", no_args_is_help=True)
@@ -177,7 +178,8 @@ def run_command(
             metavar="DURATION",
             help="Wall-clock limit on each attempt's running, e.g. 90m or 2h (at most "
             f"{MAX_TIMEOUT_S / 86400:g}d): the cluster kills the job, which ends FAILED (timeout) and "
-            "is never retried.",
+            "is never retried. It is also the job's time limit for backfill: a job that ends soon enough "
+            "may start ahead of one devices are held for.",
         ),
     ] = None,
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job name (id = user/name).")] = None,
@@ -311,6 +313,25 @@ def run_command(
 # is waiting for (its reason code and reason), again and again while the job waits.
 FOLLOW_POLL_S = 0.25
 WAITING_NOTE_S = 5.0
+
+
+def held_line(hold: Hold, *, now_ms: int) -> str:
+    """Where devices are held for a waiting job and from when (docs/DESIGN.md, "Backfill")."""
+    wait_s = max(0, (hold.start_ms - now_ms) // 1000)
+    when = "now" if wait_s == 0 else f"in {_span(wait_s)}"
+    where = f"{hold.amount} {hold.token} on {hold.peer_id}/{hold.backend_id}"
+    return (
+        f"{where} from {_clock(hold.start_ms)} ({when}), as the jobs there reach their time limits;"
+        " until then only jobs that end sooner use them"
+    )
+
+
+def _span(seconds: int) -> str:
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _event_line(at_ms: int, state: str, message: str) -> str:
@@ -506,8 +527,11 @@ def describe_command(
     """
 
     async def go() -> None:
+        import time
+
         from iris.client import IrisError, latest_attempt
         from iris.jobs import JobState
+        from iris.policy.reasons import ReasonCode
 
         client = await common.client()
         st = await client.describe(job_id)
@@ -541,6 +565,8 @@ def describe_command(
             ]
         if position is not None:
             lines.append(f"Queue position: {position.describe()}")
+        if st.state is JobState.QUEUED_HANDOFF and st.reason_code is ReasonCode.Reserved and st.hold:
+            lines.append(f"Reserved:       {held_line(st.hold, now_ms=int(time.time() * 1000))}")
         elif position_error:
             lines.append(f"Queue position: unknown ({position_error})")
         if st.disposition:

@@ -7,13 +7,17 @@ limits, no job started after a held one ever moves its start past the first one 
 from __future__ import annotations
 
 import heapq
+import json
 import random
+from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from policy_factories import NOW, STALE, cpu_backend, h100, job, peer
 from test_policy_properties import HOME, SETTINGS, federations, job_shapes
 
+from iris.config import BackfillConfig, ConfigError, load_config
 from iris.policy import Backfill, Band, FairShare, JobShape, PeerReport, PlanResult, plan, plan_reference
 from iris.policy.availability import gate
 from iris.policy.models import RunningOn
@@ -279,3 +283,25 @@ def test_no_held_job_starts_later_than_it_was_first_promised() -> None:
             held += 1
             assert actual <= promised, (seed, job_id, promised, actual)
     assert held > 40  # the simulation does hold: the check is not vacuous
+
+
+# ---- the config ---------------------------------------------------------------------------------
+
+
+def test_the_backfill_table_gives_the_ticks_settings_and_refuses_what_cannot_work(tmp_path: Path) -> None:
+    assert load_config().backfill_policy() == Backfill()  # config/clusters.toml sets none
+    table = BackfillConfig.model_validate({"default_limit_s": {"batch": 1800}})
+    assert table.policy().default_limit_ms[Band.BATCH] == 1_800_000
+    assert table.policy().default_limit_ms[Band.INTERACTIVE] == 4 * 3_600_000
+    assert not BackfillConfig(enabled=False).policy().enabled
+    for bad, message in (
+        ({"default_limit_s": {"urgent": 60}}, "unknown band 'urgent'"),
+        ({"default_limit_s": {"batch": 0}}, "the default time limit of band batch must be at least 1 s"),
+        ({"default_limit_s": {"batch": float("inf")}}, "must be at least 1 s"),
+        ({"max_s": 60}, "max_s"),
+    ):
+        path = tmp_path / "clusters.json"
+        path.write_text(json.dumps({**load_config().model_dump(mode="json"), "backfill": bad}))
+        with pytest.raises(ConfigError) as refused:
+            load_config(path)
+        assert message in str(refused.value), refused.value
