@@ -8,7 +8,8 @@ Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
 
 1. **The trace** (:func:`generate`): Poisson arrivals of GPU jobs, each with a band (production,
    interactive, batch), a shape (1, 2, 4 or 8 H100 per replica, 1 to 3 replicas; a shape larger than
-   every peer is drawn again) and a duration (uniform in its band's range, in trace seconds). The
+   every peer is drawn again), a duration (uniform in its band's range, in trace seconds) and a time
+   limit (the duration times 1.2 to 2, plus 2 s of replay: submitted as its ``--timeout``). The
    arrival rate makes the offered load (chips x seconds asked per second) ``--load`` times the
    peers' H100s, so queues form and high bands meet capacity that batch work holds.
 2. **The offline bound** (:func:`simulate`): the same trace, on the same peers, replayed in an
@@ -21,7 +22,9 @@ Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
    preemption exempt for each peer's configured time, in replay seconds: its chips are reported in
    ``exempt_by_band`` and the simulation plans again when the exemption ends. Without
    ``choose_victims``, held capacity cannot be reclaimed, so the simulation offers only idle
-   capacity. The output says which.
+   capacity. The output says which. The plan sees the running jobs and their time limits, so a
+   revision with backfill (issue 29) holds devices for jobs that cannot start; the same bound with
+   backfill off is printed beside it (the policy before it, on the same trace).
 3. **The replay**: on a fresh real stack (``benchmarks/harness.py``, the demo topology: two peers
    with 16 and 8 H100) on a frozen copy of ``--source``, each job is submitted at its arrival time
    divided by ``--scale`` and runs ``sleep (duration / scale)``. Arrivals fill the first three
@@ -156,6 +159,11 @@ DEFAULT_DURATIONS: tuple[tuple[Band, float, float], ...] = (
 )
 DEFAULT_GPUS: tuple[tuple[int, float], ...] = ((1, 0.35), (2, 0.25), (4, 0.2), (8, 0.2))
 DEFAULT_REPLICAS: tuple[tuple[int, float], ...] = ((1, 0.6), (2, 0.25), (3, 0.15))
+# A job's time limit over its duration: users overestimate, by up to twice, plus LIMIT_SLACK_S
+# (trace seconds: 2 s of replay at the default --scale), so that a replayed job, which starts a
+# process and a sandbox before its sleep, is never killed by its limit.
+LIMIT_FACTOR = (1.2, 2.0)
+LIMIT_SLACK_S = 120.0
 
 
 # ---- the trace ---------------------------------------------------------------------------------
@@ -171,6 +179,9 @@ class TraceJob:
     gpus: int
     replicas: int
     duration_s: float
+    # The job's time limit (its --timeout), the user's estimate: its duration times a factor in
+    # LIMIT_FACTOR, drawn from a generator of its own (the trace's jobs stay those of the seed).
+    limit_s: float = 0.0
 
     @property
     def chips(self) -> int:
@@ -237,13 +248,16 @@ def generate(cfg: TraceConfig) -> list[TraceJob]:
     band_weights = [w for _, w in cfg.bands]
     ranges = {b: (lo, hi) for b, lo, hi in cfg.durations}
     shapes = cfg.shapes()
+    limits = random.Random(f"{cfg.seed}/limits")
     jobs: list[TraceJob] = []
     t = rng.expovariate(rate)
     while t < cfg.window_s:
         band = rng.choices(bands, band_weights)[0]
         gpus, replicas, _ = rng.choices(shapes, [p for _, _, p in shapes])[0]
         lo, hi = ranges[band]
-        jobs.append(TraceJob(len(jobs), t, band, gpus, replicas, rng.uniform(lo, hi)))
+        duration = rng.uniform(lo, hi)
+        limit = duration * limits.uniform(*LIMIT_FACTOR) + LIMIT_SLACK_S
+        jobs.append(TraceJob(len(jobs), t, band, gpus, replicas, duration, limit))
         t += rng.expovariate(rate)
     return jobs
 
@@ -517,13 +531,47 @@ def _reports(
     return reports
 
 
-def shape(job: TraceJob, submit_ms: int) -> JobShape:
-    return JobShape(
-        job_id=f"j{job.index}",
-        device=DeviceRequest(type="gpu", variant=TOKEN, count=job.gpus, replicas=job.replicas),
-        band=job.band,
-        submit_ms=submit_ms,
+def shape(job: TraceJob, submit_ms: int, scale: float = 1.0) -> JobShape:
+    """The job as the policy sees it; its time limit in replay seconds (a revision before backfill
+    has no such field and ignores it)."""
+    return JobShape.model_validate(
+        {
+            "job_id": f"j{job.index}",
+            "device": DeviceRequest(type="gpu", variant=TOKEN, count=job.gpus, replicas=job.replicas),
+            "band": job.band,
+            "submit_ms": submit_ms,
+            "time_limit_ms": math.ceil(job.limit_s / scale * 1000) if job.limit_s else None,
+        }
     )
+
+
+def backfill_setting(on: bool) -> dict[str, Any]:
+    """``plan``'s keyword for backfill on or off; none for a revision before backfill (issue 29)."""
+    if "backfill" not in inspect.signature(plan).parameters:
+        return {}
+    from iris.policy import Backfill
+
+    return {"backfill": Backfill(enabled=on)}
+
+
+def holding(
+    shapes: Mapping[int, JobShape], running: Mapping[str, dict[int, tuple[Band, int, float]]]
+) -> list[JobShape]:
+    """The running jobs as the tick's ``in_use`` gives them: where each runs and since when (a
+    revision before backfill gets the shapes alone)."""
+    try:
+        from iris.policy.models import RunningOn
+    except ImportError:
+        return [shapes[i] for jobs in running.values() for i in jobs]
+    return [
+        shapes[i].model_copy(
+            update={
+                "running_on": RunningOn(peer_id=peer, backend_id=_backend(peer), since_ms=int(start * 1000))
+            }
+        )
+        for peer, jobs in running.items()
+        for i, (_, _, start) in jobs.items()
+    ]
 
 
 @dataclass
@@ -542,6 +590,7 @@ def simulate(
     chooser: Chooser | None = None,
     preemption: str = "not modelled",
     exempt_s: Mapping[str, float] | None = None,
+    backfill: bool = True,
 ) -> SimResult:
     """The work-conserving replay of ``jobs`` on the pure policy, in replay seconds (trace seconds
     over ``scale``): classify at arrival, plan at every arrival and end, start what it places at
@@ -550,7 +599,9 @@ def simulate(
     With ``exempt_s`` (each peer's ``preempt_exempt_s``, a revision that has it), a job back from a
     preemption is exempt for that long from its restart: its chips are reported exempt (the
     planner does not count them reclaimable) and the chooser never takes it; the simulation also
-    plans again when an exemption ends, as the process backend schedules its head again then."""
+    plans again when an exemption ends, as the process backend schedules its head again then.
+    The plan sees the running jobs (``in_use``) and, in a revision with backfill, holds devices for
+    jobs that cannot start; ``backfill`` False turns that off (the policy before issue 29)."""
     by_id = {f"j{j.index}": j for j in jobs}
     outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in jobs}
     arrivals = sorted(jobs, key=lambda j: (j.arrival_s, j.index))
@@ -559,6 +610,7 @@ def simulate(
     exemption_ends: list[float] = []  # when an exemption ends: plan again
     generation: dict[int, int] = {}
     queue: dict[str, JobShape] = {}
+    shapes: dict[int, JobShape] = {}
     rejected: list[int] = []
     ai = 0
     now = 0.0
@@ -606,7 +658,8 @@ def simulate(
         while ai < len(arrivals) and arrivals[ai].arrival_s / scale <= now:
             j = arrivals[ai]
             ai += 1
-            s = shape(j, int(j.arrival_s / scale * 1000))
+            s = shape(j, int(j.arrival_s / scale * 1000), scale)
+            shapes[j.index] = s
             outcomes[j.index].submit_s = j.arrival_s / scale
             reports = _reports(peers, running, int(now * 1000), chooser is not None, exempt_held())
             c = classify(s, home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40)
@@ -620,7 +673,13 @@ def simulate(
                 break
             reports = _reports(peers, running, int(now * 1000), chooser is not None, exempt_held())
             result = plan(
-                list(queue.values()), home=HOME, reports=reports, now_ms=int(now * 1000), stale_after_ms=2**40
+                list(queue.values()),
+                home=HOME,
+                reports=reports,
+                now_ms=int(now * 1000),
+                stale_after_ms=2**40,
+                in_use=holding(shapes, running),
+                **backfill_setting(backfill),
             )
             placed = 0
             for p in result.placements:
@@ -640,7 +699,7 @@ def simulate(
                         del running[p.peer_id][vj.index]
                         run = outcomes[vj.index].runs[-1]
                         run.end_s, run.preempted = now, True
-                        queue[v] = shape(vj, int(vj.arrival_s / scale * 1000))
+                        queue[v] = shapes[vj.index]
                 start(p.job_id, p.peer_id)
                 placed += 1
             if not placed:
@@ -762,6 +821,9 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
                 replicas=j.replicas,
                 priority=j.band,
                 max_retries_preemption=3,
+                # Its time limit, which backfill plans with (a revision without backfill only
+                # enforces it; the job ends well before it).
+                timeout_s=j.limit_s / args.scale,
             )
             job_ids[spec.job_id] = j.index
             submit_ms[j.index] = spec.submit_ms
@@ -943,15 +1005,19 @@ def report(
     return "\n".join(lines)
 
 
-def plain_line(plain: dict[str, Any]) -> str:
+def plain_line(
+    plain: dict[str, Any], label: str = "bound without preemption (held capacity never reclaimed)"
+) -> str:
     waits = ", ".join(
         f"{b.label} {fmt(plain['bands'][b.label]['p50_s'])}/{fmt(plain['bands'][b.label]['p95_s'])}"
         for b in Band
     )
+    lost = plain.get("preemption", {})
+    wasted = f"; preemptions {lost['preemptions']}, {lost['wasted_gpu_s']:.0f} GPU-s lost" if lost else ""
     return (
-        f"bound without preemption (held capacity never reclaimed): p50/p95 s {waits}; starved "
+        f"{label}: p50/p95 s {waits}; starved "
         f"{plain['bands']['all']['starved']}; utilization while a job waits "
-        f"{pct(plain['utilization']['while_waiting'])}"
+        f"{pct(plain['utilization']['while_waiting'])}{wasted}"
     )
 
 
@@ -1028,6 +1094,19 @@ async def run(args: argparse.Namespace) -> int:
     if chooser is not None:
         plain_sim = simulate(trace, dict(peers), scale=args.scale)
         plain = figures(plain_sim.outcomes, capacity, plain_sim.end_s, tick_s)
+    # The same bound with backfill off: the policy before issue 29's backfill, on the same trace.
+    no_backfill: dict[str, Any] | None = None
+    if backfill_setting(False):
+        before = simulate(
+            trace,
+            dict(peers),
+            scale=args.scale,
+            chooser=chooser,
+            preemption=how,
+            exempt_s=exempt if model.exemption else None,
+            backfill=False,
+        )
+        no_backfill = figures(before.outcomes, capacity, before.end_s, tick_s)
     info = machine()
     print(f"code: {source_label()}; machine: {info['nproc']} CPUs, {info['mem_gib']} GiB", flush=True)
     print(trace_line(trace, cfg, args.scale), flush=True)
@@ -1058,6 +1137,9 @@ async def run(args: argparse.Namespace) -> int:
     if plain is not None:
         data["bound_without_preemption"] = plain
         print(plain_line(plain))
+    if no_backfill is not None:
+        data["bound_without_backfill"] = no_backfill
+        print(plain_line(no_backfill, "bound without backfill (nothing held for a job that cannot start)"))
     print(f"\ncode: {source_label()}; after: {uptime_line()}")
     write_json(args.out, data)
     return 0
