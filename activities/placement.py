@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
-from temporalio.common import MetricMeter
+from temporalio.common import MetricGauge, MetricGaugeFloat, MetricMeter
 from temporalio.service import RPCError, RPCStatusCode
 
 from iris import contract, metrics
@@ -25,7 +25,17 @@ from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.jobs import WaitReason
 from iris.policy import plan_request
-from iris.policy.models import DeviceRequest, Hold, JobShape, Placement, PlanRequest, RunningOn, WaitingGroup
+from iris.policy.fairshare import Shares, federation_totals, held_devices
+from iris.policy.models import (
+    DeviceRequest,
+    FairShare,
+    Hold,
+    JobShape,
+    Placement,
+    PlanRequest,
+    RunningOn,
+    WaitingGroup,
+)
 from iris.reports import FederationView, gather_reports
 from iris.store.models import Fence
 
@@ -87,7 +97,11 @@ _GAUGES = {
     metrics.QUEUED_JOBS: "Jobs in the federation queue, by why they wait",
     metrics.PEER_REACHABLE: "1 if the peer answered the last tick's poll",
     metrics.PEER_FREE_DEVICES: "Free devices in the peer's last report",
+    metrics.USER_DEVICES: "Devices the user's jobs hold, by band",
+    metrics.USER_SHARE: "The user's dominant share of the devices in use (0 to 1)",
 }
+# The float ones among them.
+_FLOAT_GAUGES = frozenset({metrics.USER_SHARE})
 
 
 def device_variant(device: DeviceRequest) -> str:
@@ -122,9 +136,12 @@ class TickMetrics:
         waiting: list[WaitingGroup],
         view: FederationView,
         seconds: float,
+        in_use: Sequence[JobShape] = (),
+        fair_share: FairShare | None = None,
     ) -> None:
         """Export one tick: ``queued`` the shapes it planned, ``waiting`` why those it left queued
-        wait (a job it placed or had already offered is on its way out of the queue: not counted)."""
+        wait (a job it placed or had already offered is on its way out of the queue: not counted);
+        ``in_use`` the jobs holding devices, whose users' devices and shares it shows."""
         shapes = {shape.job_id: shape for shape in queued}
         counts: dict[Labels, int] = {}
         for group in waiting:
@@ -149,19 +166,37 @@ class TickMetrics:
                 where = (("peer", report.peer_id), ("backend", backend.backend_id))
                 for token, amount in amounts.items():
                     free[(*where, ("device", token))] = amount
+        per_user: dict[Labels, int] = {}
+        for user, bands in held_devices(in_use).items():
+            for band, n in bands.items():
+                per_user[(("user", user), ("band", band.label))] = n
+        shares = Shares(list(in_use), federation_totals(view.reports), fair_share or FairShare())
+        share: dict[Labels, float] = {(("user", u),): shares.share(u) for u in shares.used}
         self._meter = meter
         self._set(meter, metrics.QUEUED_JOBS, counts)
+        self._set(meter, metrics.USER_DEVICES, per_user)
+        self._set(meter, metrics.USER_SHARE, share)
         self._set(meter, metrics.PEER_REACHABLE, reachable)
         self._set(meter, metrics.PEER_FREE_DEVICES, free)
         meter.create_histogram_float(metrics.PLACEMENT_TICK, "One placement tick, whole", "s").record(seconds)
         self._rearm()
 
-    def _set(self, meter: MetricMeter, name: str, values: dict[Labels, int]) -> None:
-        gauge = meter.create_gauge(name, _GAUGES[name])
+    def _gauge(self, meter: MetricMeter, name: str) -> MetricGauge | MetricGaugeFloat:
+        if name in _FLOAT_GAUGES:
+            return meter.create_gauge_float(name, _GAUGES[name])
+        return meter.create_gauge(name, _GAUGES[name])
+
+    def _set(
+        self, meter: MetricMeter, name: str, values: Mapping[Labels, int] | Mapping[Labels, float]
+    ) -> None:
+        gauge = self._gauge(meter, name)
         for labels in self._shown.get(name, set()) - values.keys():
             gauge.set(0, dict(labels))
         for labels, value in values.items():
-            gauge.set(value, dict(labels))
+            if isinstance(gauge, MetricGaugeFloat):
+                gauge.set(float(value), dict(labels))
+            else:
+                gauge.set(int(value), dict(labels))
         self._shown[name] = {labels for labels, value in values.items() if value}
 
     def _rearm(self) -> None:
@@ -175,7 +210,7 @@ class TickMetrics:
         if self._meter is None:
             return
         for name, shown in self._shown.items():
-            gauge = self._meter.create_gauge(name, _GAUGES[name])
+            gauge = self._gauge(self._meter, name)
             for labels in shown:
                 gauge.set(0, dict(labels))
         self._shown = {}
@@ -436,7 +471,13 @@ class PlacementActivities:
         fenced = await self._fence(view)
         total_s = time.perf_counter() - started
         self.metrics.record(
-            activity.metric_meter(), queued=planned, waiting=result.waiting, view=view, seconds=total_s
+            activity.metric_meter(),
+            queued=planned,
+            waiting=result.waiting,
+            view=view,
+            seconds=total_s,
+            in_use=holding,
+            fair_share=self._config.fair_share(),
         )
         return TickOutcome(
             abandoned=abandoned,

@@ -37,6 +37,12 @@ PEER_REACHABLE = "iris_peer_reachable"
 # Gauge, by peer, backend and device: free devices in the peer's last report (device: the report's
 # token, e.g. h100; ``cpu`` counts CPU slots). 0 for a peer that did not answer.
 PEER_FREE_DEVICES = "iris_peer_free_devices"
+# Gauge, by user and band: the devices (accelerator chips) the user's jobs hold, as the tick's fair
+# share and caps count them (docs/DESIGN.md, "Fair share and aging"). 0 once they hold none.
+USER_DEVICES = "iris_user_devices"
+# Gauge (float), by user: the user's dominant share of the federation's devices in use, 0 to 1, the
+# share that orders its jobs within a band.
+USER_SHARE = "iris_user_share"
 # Histogram, seconds: one placement tick, whole: polling the peers, planning, the signals to the
 # jobs, the look for abandoned handles and the fences.
 PLACEMENT_TICK = "iris_placement_tick_seconds"
@@ -106,6 +112,8 @@ ALL_NAMES = (
     HANDOFFS,
     PEER_REACHABLE,
     PEER_FREE_DEVICES,
+    USER_DEVICES,
+    USER_SHARE,
     PLACEMENT_TICK,
     MIRROR_LAG,
     CONTROLLER_REQUESTS,

@@ -236,3 +236,56 @@ def test_a_worker_that_stops_ticking_zeroes_its_gauges(exporter: Exporter) -> No
         assert exporter.series(metrics.PEER_REACHABLE) == {labels(peer="cw-a"): 0}
     finally:
         loop.close()
+
+
+def test_a_tick_shows_each_users_devices_by_band_and_dominant_share(exporter: Exporter) -> None:
+    """Fair share at the metrics endpoint (docs/DESIGN.md, "Fair share and aging"): what each user's
+    jobs hold, by band, and the share that orders them; a user whose jobs ended drops to 0."""
+    tick = TickMetrics(stale_after_s=60)
+    h100 = PeerReport.model_validate(
+        {
+            "peer_id": "cw-a",
+            "backends": [
+                {
+                    "backend_id": "b",
+                    "advertised_attributes": {"device-type": ["gpu"], "device-variant": ["h100"]},
+                    "availability": {
+                        "observation_epoch_ms": 1,
+                        "amounts": {"h100": 4},
+                        "total_amounts": {"h100": 16},
+                    },
+                }
+            ],
+        }
+    )
+
+    def gpu(job_id: str, count: int, band: Band) -> JobShape:
+        return JobShape(
+            job_id=job_id, device=DeviceRequest(type="gpu", variant="h100", count=count), band=band
+        )
+
+    async def ticked(in_use: list[JobShape]) -> None:
+        tick.record(exporter.meter, queued=[], waiting=[], view=_tick_view(h100), seconds=0.01, in_use=in_use)
+
+    loop = ClockLoop()
+    try:
+        loop.run_until_complete(
+            ticked(
+                [
+                    gpu("alice/a", 8, Band.BATCH),
+                    gpu("alice/b", 2, Band.INTERACTIVE),
+                    gpu("bob/c", 2, Band.BATCH),
+                ]
+            )
+        )
+        assert exporter.series(metrics.USER_DEVICES) == {
+            labels(user="alice", band="batch"): 8,
+            labels(user="alice", band="interactive"): 2,
+            labels(user="bob", band="batch"): 2,
+        }
+        assert exporter.series(metrics.USER_SHARE) == {labels(user="alice"): 0.625, labels(user="bob"): 0.125}
+        loop.run_until_complete(ticked([gpu("bob/c", 2, Band.BATCH)]))
+        assert exporter.series(metrics.USER_DEVICES)[labels(user="alice", band="batch")] == 0
+        assert exporter.series(metrics.USER_SHARE) == {labels(user="alice"): 0.0, labels(user="bob"): 0.125}
+    finally:
+        loop.close()
