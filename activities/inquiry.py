@@ -22,6 +22,8 @@ from iris.inquiry import MAX_POSITION_IDS as MAX_POSITION_IDS
 from iris.inquiry import DryRunRequest as DryRunRequest
 from iris.inquiry import PositionsAnswer as PositionsAnswer
 from iris.inquiry import PositionsRequest as PositionsRequest
+from iris.inquiry import UserShare
+from iris.policy.fairshare import Shares, federation_totals, held_devices
 from iris.policy.models import PeerReport
 from iris.policy.queue import DryRun, dry_run, queue_positions
 from iris.reports import configured_backends
@@ -41,14 +43,18 @@ class InquiryActivities:
         # What the tick's fair share reads besides the queue (docs/DESIGN.md, "Fair share and aging").
         in_use = await asyncio.to_thread(self._store.in_use)
         reports = await asyncio.to_thread(self._store.load_reports)
+        fair_share = self._config.fair_share()
         positions = queue_positions(
-            [h.shape for h in queued],
-            inp.job_ids,
-            in_use=in_use,
-            reports=reports,
-            fair_share=self._config.fair_share(),
+            [h.shape for h in queued], inp.job_ids, in_use=in_use, reports=reports, fair_share=fair_share
         )
-        return PositionsAnswer(positions=positions, queued=len(queued), at_ms=int(time.time() * 1000))
+        shares = Shares(in_use, federation_totals(reports), fair_share)
+        users = {
+            user: UserShare(devices=sum(bands.values()), share=shares.share(user))
+            for user, bands in sorted(held_devices(in_use).items())
+        }
+        return PositionsAnswer(
+            positions=positions, queued=len(queued), at_ms=int(time.time() * 1000), users=users
+        )
 
     @activity.defn(name=contract.PLAN_DRY_RUN)
     async def plan_dry_run(self, inp: DryRunRequest) -> DryRun:

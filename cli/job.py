@@ -465,6 +465,13 @@ def list_command(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The same as -o json.")] = False,
+    shares: Annotated[
+        bool,
+        typer.Option(
+            "--shares",
+            help="After the table, each user holding devices: chips held and dominant share (fair share).",
+        ),
+    ] = False,
 ) -> None:
     """List jobs, newest first: `iris job list --since 1h --limit 20 -o wide`.
 
@@ -483,6 +490,8 @@ def list_command(
         common.fail(f"unknown output format {output!r} (one of: {', '.join(OUTPUTS)})", common.EXIT_INVALID)
     if as_json and fmt != "json":
         common.fail(f"--json is -o json: it cannot go with -o {fmt}", common.EXIT_INVALID)
+    if shares and fmt in ("json", "yaml"):
+        common.fail(f"--shares goes with a table, not -o {fmt}", common.EXIT_INVALID)
     if limit is not None and limit < 1:
         common.fail(f"invalid --limit {limit}: at least 1", common.EXIT_INVALID)
     since_s = _parse_duration(since, "--since")
@@ -510,6 +519,18 @@ def list_command(
             return
         for line in _summary_tables(rows, wide=fmt == "wide"):
             typer.echo(line)
+        if shares:
+            try:
+                users = (await client.queue_answer([])).users
+            except IrisError as exc:
+                typer.echo(f"warning: no shares: {exc}", err=True)
+                return
+            typer.echo("")
+            for line in _table(
+                [("USER", "DEVICES", "SHARE")]
+                + [(u, str(s.devices), f"{s.share:.0%}") for u, s in users.items()]
+            ):
+                typer.echo(line)
 
     common.run(go())
 

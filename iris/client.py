@@ -883,16 +883,24 @@ class AsyncIrisClient:
             await asyncio.sleep(0.2 * attempt)
         raise AssertionError("unreachable")
 
+    async def queue_answer(self, job_ids: Sequence[str]) -> PositionsAnswer:
+        """The queue positions of ``job_ids`` (see :meth:`queue_positions`) and what each user
+        holding devices holds (``users``), in one question per page of ids (one if none)."""
+        ids = sorted({self.resolve(j) for j in job_ids})
+        merged = PositionsAnswer()
+        for start in range(0, max(len(ids), 1), MAX_POSITION_IDS):
+            request = PositionsRequest(job_ids=ids[start : start + MAX_POSITION_IDS])
+            answer = await self._inquire(contract.QUEUE_POSITIONS, request, PositionsAnswer)
+            merged.positions.update(answer.positions)
+            merged.queued, merged.at_ms, merged.users = answer.queued, answer.at_ms, answer.users
+        return merged
+
     async def queue_positions(self, job_ids: Sequence[str]) -> dict[str, QueuePosition]:
         """Each of ``job_ids`` still queued, with its position among the jobs competing for its
         shape as the planner orders them; a job not queued is left out. Bare names resolve."""
-        ids = sorted({self.resolve(j) for j in job_ids})
-        found: dict[str, QueuePosition] = {}
-        for start in range(0, len(ids), MAX_POSITION_IDS):
-            request = PositionsRequest(job_ids=ids[start : start + MAX_POSITION_IDS])
-            answer = await self._inquire(contract.QUEUE_POSITIONS, request, PositionsAnswer)
-            found.update(answer.positions)
-        return found
+        if not job_ids:
+            return {}
+        return (await self.queue_answer(job_ids)).positions
 
     async def position(self, job_id: str) -> QueuePosition | None:
         """The job's queue position, None unless it is queued."""

@@ -23,11 +23,21 @@ class PositionsRequest(BaseModel):
     job_ids: list[str] = Field(default_factory=list)
 
 
+class UserShare(BaseModel):
+    """What one user's jobs hold now, as the tick's fair share counts it (docs/DESIGN.md, "Fair
+    share and aging"): accelerator chips, and the dominant share of the devices in use (0 to 1)."""
+
+    devices: int = 0
+    share: float = 0.0
+
+
 class PositionsAnswer(BaseModel):
-    """The asked jobs that are queued, with their positions (a job not queued is left out)."""
+    """The asked jobs that are queued, with their positions (a job not queued is left out), and
+    each user holding devices with what it holds (``users``; empty from a manager before it)."""
 
     positions: dict[str, QueuePosition] = Field(default_factory=dict)
     queued: int = 0
+    users: dict[str, UserShare] = Field(default_factory=dict)
     at_ms: int = 0
 
 
