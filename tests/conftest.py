@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -214,6 +215,16 @@ def no_payload_ring_left_behind() -> Iterator[None]:
         pytest.fail(f"this test left a payload key ring in the suite's user key directory: {ring}")
 
 
+def teardown_log(factory: pytest.TempPathFactory, what: str, started: float) -> None:
+    """How long a part of the session's teardown took, appended to ``teardown.log`` beside the test
+    processes' temporary directories (pytest-of-USER/pytest-N/): the teardown runs after the last
+    test, charged to it, and its output is captured (issue 25 looks at where that time goes)."""
+    took = time.monotonic() - started
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with (factory.getbasetemp().parent / "teardown.log").open("a") as log:
+        log.write(f"{worker} {what} {took:.1f}s\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def session_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """After every test and stack of this test process: no private key in use and no store
@@ -221,7 +232,9 @@ def session_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     controller state, relayed job logs, every test's temporary directory; tests/secret_scan.py).
     The stacks depend on it, so it runs after their teardown."""
     yield
+    started = time.monotonic()
     scan = scan_session_files(load_config(CONFIGS["process"]), [tmp_path_factory.getbasetemp()])
+    teardown_log(tmp_path_factory, f"session files scan ({scan.items.get('file', 0)} files)", started)
     print("\n" + report(scan))
     assert scan.hits == [], "\n".join(scan.hits[:50])
 
@@ -252,13 +265,19 @@ async def running_stack(
         # After every test that used it: no process took another cluster's secret (acceptance 3 of
         # issue 16, tests/e2e/test_credential_isolation.py checks it mid-suite too), and no secret
         # is in its histories or in what its tests received.
+        started = time.monotonic()
         assert isolation_violations(stack) == []
+        teardown_log(factory, f"{backend} stack isolation check", started)
+        started = time.monotonic()
         scan = await scan_stack(stack, [factory.getbasetemp()])
+        teardown_log(factory, f"{backend} stack scan ({scan.items.get('history', 0)} histories)", started)
         print(f"\n{backend} stack: " + report(scan))
         assert scan.items.get("history", 0) > 0
         assert scan.hits == [], "\n".join(scan.hits[:50])
     finally:
+        started = time.monotonic()
         await runner.stop()
+        teardown_log(factory, f"{backend} stack stop", started)
 
 
 @pytest.fixture(scope="session")
@@ -266,6 +285,8 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.RayH
     """The test process's one real Ray head, for every Ray user (tests/rayhead.py)."""
     with local_head(session_resources(), HEAD_CPUS, tmp_path_factory.mktemp("ray")) as spec:
         yield spec
+        started = time.monotonic()
+    teardown_log(tmp_path_factory, "ray head stop", started)
 
 
 @pytest.fixture(scope="session")

@@ -84,26 +84,55 @@ async def _terminal(stack: Stack, job_id: str) -> bool:
 
 
 async def test_no_capacity_anywhere(stack: Stack) -> None:
-    # 2 × 8 chips on one backend: only cw-us-east-02a's 16 hold it, and one of them is held.
+    # 2 × 8 chips on one backend: only cw-us-east-02a's 16 hold it, and one of them is held. The
+    # first such job has them held for it (backfill: the holder's time limit says when its chip
+    # comes back), so it is Reserved; the next has nowhere left to hold: NoCapacity.
     async with stack.holding():
+        first = await stack.iris.submit(["true"], name="rc-reserved", **WAITS)
+        await shows(stack, first, ReasonCode.Reserved)
         job_id = await stack.iris.submit(["true"], name="rc-no-capacity", **WAITS)
         try:
             st = await shows(stack, job_id, ReasonCode.NoCapacity)
             assert st.state is JobState.QUEUED_HANDOFF and "full on" in st.reason
+            held = await stack.iris.describe(first)
+            assert held.hold is not None and (held.hold.peer_id, held.hold.amount) == ("cw-us-east-02a", 16)
+            assert held.reason.endswith("; 16 h100 held for it on cw-us-east-02a"), held.reason
+            described = await stack.cli("job", "describe", first)
+            assert "Reserved:       16 h100 on cw-us-east-02a/" in described.stdout, described.stdout
         finally:
-            await cancel_all(stack, job_id)
+            await cancel_all(stack, first, job_id)
     st = await stack.iris.describe(job_id)
     assert (st.state, st.reason_code) == (JobState.KILLED, ReasonCode.Cancelled)
 
 
 async def test_pinned_peer_full(stack: Stack) -> None:
     async with stack.holding(RNO):  # one of its 8 H100s
+        # The first has cw-rno2a's chips held for it (Reserved); the next, pinned there too, finds
+        # them held already: PinnedPeerFull.
+        first = await stack.iris.submit(["true"], name="rc-pinned-held", target_cluster=RNO, **H100)
+        await shows(stack, first, ReasonCode.Reserved)
         job_id = await stack.iris.submit(["true"], name="rc-pinned-full", target_cluster=RNO, **H100)
+        short = ""
         try:
             st = await shows(stack, job_id, ReasonCode.PinnedPeerFull)
             assert st.state is JobState.QUEUED_HANDOFF and f"full on {RNO}" in st.reason
+            # A one-chip job whose --timeout ends long before the holder's time limit (its band's
+            # default, hours): backfilled onto the held chips, ahead of the first.
+            short = await stack.iris.submit(
+                ["true"],
+                name="rc-backfilled",
+                target_cluster=RNO,
+                device_type="h100",
+                gpu_count=1,
+                timeout_s=60,
+            )
+            assert (await stack.iris.wait(short, timeout_s=90)).state is JobState.SUCCEEDED
+            described = await stack.cli("job", "describe", short)
+            promoted = [line for line in described.stdout.splitlines() if "promoted to" in line]
+            assert len(promoted) == 1 and promoted[0].endswith("[Backfilled]"), described.stdout
+            assert f"ahead of {first} (backfill:" in promoted[0], promoted
         finally:
-            await cancel_all(stack, job_id)
+            await cancel_all(stack, *(j for j in (first, job_id, short) if j))
 
 
 async def test_too_large_for_every_backend(stack: Stack) -> None:
@@ -262,19 +291,23 @@ async def _state_is(stack: Stack, job_id: str, state: JobState) -> bool:
 async def test_priority_and_peer_stale(stack: Stack, paused_manager: None) -> None:
     await wait_until(lambda: _rno_idle(stack), timeout=120, what=f"{RNO}'s 8 chips to be free")
 
-    # Priority: two jobs each fit cw-rno2a's 8 free chips alone; the older takes them this tick.
+    # Priority: three jobs each fit cw-rno2a's 8 free chips alone; the oldest takes them this
+    # tick, the next has them held for it (Reserved: the oldest's time limit says when they come
+    # back), the third finds them taken and held: Priority.
     ahead = await stack.iris.submit(["sleep", "60"], name="rc-ahead", target_cluster=RNO, **H100)
+    held = await stack.iris.submit(["true"], name="rc-held", target_cluster=RNO, **H100)
     behind = await stack.iris.submit(["true"], name="rc-behind", target_cluster=RNO, **H100)
     stale_one = ""
     try:
-        await queued(stack, ahead)
-        await queued(stack, behind)
+        for job in (ahead, held, behind):
+            await queued(stack, job)
         assert (await stack.iris.describe(behind)).reason_code is ReasonCode.Pending
         outcome = await tick(stack)
         assert ahead in outcome.placed and behind not in outcome.placed, outcome
+        await shows(stack, held, ReasonCode.Reserved, within=30)
         st = await shows(stack, behind, ReasonCode.Priority, within=30)
         assert st.state is JobState.QUEUED_HANDOFF and f"full on {RNO}" in st.reason
-        await cancel_all(stack, ahead, behind)
+        await cancel_all(stack, ahead, held, behind)
 
         # PeerStale: home answers the tick's poll 2.5 s late, so cw-rno2a's answer, in hand since
         # the poll began, is older than a staleness bound of 1 s when the tick decides.
@@ -291,7 +324,7 @@ async def test_priority_and_peer_stale(stack: Stack, paused_manager: None) -> No
         st = await shows(stack, stale_one, ReasonCode.PeerStale, within=30)
         assert st.state is JobState.QUEUED_HANDOFF and f"stale report from {RNO}" in st.reason
     finally:
-        await cancel_all(stack, *(j for j in (ahead, behind, stale_one) if j))
+        await cancel_all(stack, *(j for j in (ahead, held, behind, stale_one) if j))
 
 
 async def _rno_idle(stack: Stack) -> bool:
