@@ -41,15 +41,28 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
 
 
+# A dev server start that fails is tried again this often (as tests/conftest.py's stacks are).
+START_TRIES = 3
+
+
 @pytest.fixture(scope="module")
 async def tls_frontend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[str, Path]]:
     """A real dev server behind a TLS terminator requiring a client certificate: (address, certs)."""
     certs = tmp_path_factory.mktemp("tls")
     ensure_tls(certs, ["temporal", "127.0.0.1"])
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=str(devstack.venv_bin("temporal")),
-        dev_server_startup_timeout=timedelta(seconds=60),
-    )
+    # Tried again on failure, as the stacks are (tests/conftest.py, STACK_START_TRIES): the SDK
+    # picks a free port, which another test process may take before the server binds it (CI run M:
+    # "did not start within 60s", connection refused throughout).
+    for attempt in range(1, START_TRIES + 1):
+        try:
+            env = await WorkflowEnvironment.start_local(
+                dev_server_existing_path=str(devstack.venv_bin("temporal")),
+                dev_server_startup_timeout=timedelta(seconds=60),
+            )
+            break
+        except RuntimeError:
+            if attempt == START_TRIES:
+                raise
     backend = env.client.service_client.config.target_host
     host, _, port = backend.rpartition(":")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
