@@ -116,6 +116,8 @@ def _to_backend(
         verified=verified,
         preempts=offer.preempts,
         reason=offer.reason[:MAX_REASON_CHARS],
+        # Backfilled ahead of this job (docs/DESIGN.md, "Backfill"): only the event's code reads it.
+        ahead_of=offer.ahead_of[:MAX_REASON_CHARS] if offer.ahead_of else None,
     )
     # A gated job on a backend the view cannot verify: a fresher view may show its block.
     return Vetting(placement=placement, vouched=need is None or verified)

@@ -23,6 +23,7 @@ from iris.policy import (
     vet_placement,
 )
 from iris.policy.availability import gate
+from iris.policy.vetting import MAX_REASON_CHARS
 
 EAST = "cw-us-east-02a"
 RNO = "cw-rno2a"
@@ -175,3 +176,13 @@ def test_nothing_vetted_breaks_a_constraint_a_pin_or_the_jobs_reservation(
                 assert got.reserved in ({}, {need[0]: need[1]} if need else {})
                 if need is not None and (claimed or got.verified):
                     assert got.reserved == {need[0]: need[1]}
+
+
+def test_a_backfilled_offer_keeps_the_job_it_went_ahead_of_bounded() -> None:
+    """The promotion's event code reads it (docs/DESIGN.md, "Backfill"); a long one is cut."""
+    kept = vet_placement(job(), offer(EAST, "h100-east", ahead_of="bob/gang"), pin=None, backends=[EAST_H100])
+    assert kept.placement is not None and kept.placement.ahead_of == "bob/gang"
+    plain = vet_placement(job(), offer(EAST, "h100-east"), pin=None, backends=[EAST_H100])
+    assert plain.placement is not None and plain.placement.ahead_of is None
+    long = vet_placement(job(), offer(EAST, "h100-east", ahead_of="x" * 5000), pin=None, backends=[EAST_H100])
+    assert long.placement is not None and long.placement.ahead_of == "x" * MAX_REASON_CHARS
