@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,11 +108,25 @@ async def scan_histories(client: Client, scan: Scan) -> None:
     scan.seconds["history"] = time.monotonic() - started
 
 
+def session_files(root: Path) -> Iterator[Path]:
+    """Every file under ``root`` the session wrote, in order: a Python virtual environment (a
+    directory with ``pyvenv.cfg``: the README tests' ``uv tool install`` and project ``.venv``, about
+    10,000 files each) is what a package install put there, and is left out. In CI run N the scan
+    read 58,906 files in 150 s, four fifths of them in such environments."""
+    for here, dirs, files in os.walk(root):
+        if "pyvenv.cfg" in files:
+            dirs.clear()
+            continue
+        dirs.sort()
+        for name in sorted(files):
+            yield Path(here) / name
+
+
 def scan_files(roots: list[Path], scan: Scan) -> None:
     started = time.monotonic()
     for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            if path.name.endswith(KEY_SUFFIXES) or path.suffix == ".tmp":
+        for path in session_files(root):
+            if path.name.endswith(KEY_SUFFIXES) or path.suffix == ".tmp" or path.is_symlink():
                 continue
             try:
                 data = path.read_bytes()

@@ -6,11 +6,12 @@ teardown run over each real stack asserts that it read histories at all."""
 from __future__ import annotations
 
 import base64
+import tempfile
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from secret_scan import Scan, history_bytes, key_needles
+from secret_scan import Scan, history_bytes, key_needles, scan_files
 from temporalio.api.common.v1 import Payload
 from temporalio.api.failure.v1 import Failure
 from temporalio.api.history.v1 import HistoryEvent
@@ -19,6 +20,7 @@ from temporalio.client import WorkflowHistory
 
 def key_file(tmp_path: Path) -> tuple[Path, bytes]:
     key = Ed25519PrivateKey.generate()
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "peer.key"
     none = serialization.NoEncryption()
     path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, none))
@@ -64,3 +66,24 @@ def test_a_secret_anywhere_in_a_history_is_found_in_each_form(tmp_path: Path) ->
         for history in histories:
             found = hits(needles, history)
             assert f"peer.key {form} in history wf" in found, (form, found)
+
+
+def test_the_file_scan_finds_a_planted_key_and_leaves_out_virtual_environments() -> None:
+    # Outside the session's temporary directories: the session's own scan would find the plant.
+    with tempfile.TemporaryDirectory() as where:
+        planted(Path(where))
+
+
+def planted(tmp_path: Path) -> None:
+    key, raw = key_file(tmp_path / "keys")
+    needles = key_needles(key)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "job.log").write_bytes(b"leaked: " + raw.hex().encode())
+    venv = tmp_path / "home" / ".venv"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr\n")
+    (venv / "lib" / "site.py").write_bytes(raw.hex().encode())  # what an install wrote: not scanned
+    scan = Scan(needles)
+    scan_files([tmp_path], scan)
+    assert scan.hits == ["peer.key raw hex in file logs/job.log"], scan.hits
+    assert scan.items["file"] == 1  # the key file itself is left out, and so is the environment
