@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,24 +110,32 @@ async def scan_histories(client: Client, scan: Scan) -> None:
 
 
 def session_files(root: Path) -> Iterator[Path]:
-    """Every file under ``root`` the session wrote, in order: a Python virtual environment (a
-    directory with ``pyvenv.cfg``: the README tests' ``uv tool install`` and project ``.venv``, about
-    10,000 files each) is what a package install put there, and is left out. In CI run N the scan
-    read 58,906 files in 150 s, four fifths of them in such environments."""
+    """Every regular file under ``root`` the session wrote, in order. Not a FIFO, socket or device
+    (reading a FIFO with no writer blocks for ever: CI run O's scan hung on a sandbox test's pipe
+    until pytest-timeout), nor a symlink. A Python virtual environment (a directory with
+    ``pyvenv.cfg``: the README tests' ``uv tool install`` and project ``.venv``, about 10,000 files
+    each) is what a package install put there, and is left out: in CI run N the scan read 58,906
+    files in 150 s, four fifths of them in such environments."""
     for here, dirs, files in os.walk(root):
         if "pyvenv.cfg" in files:
             dirs.clear()
             continue
         dirs.sort()
         for name in sorted(files):
-            yield Path(here) / name
+            path = Path(here) / name
+            try:
+                regular = stat.S_ISREG(path.lstat().st_mode)
+            except OSError:
+                continue  # removed meanwhile
+            if regular:
+                yield path
 
 
 def scan_files(roots: list[Path], scan: Scan) -> None:
     started = time.monotonic()
     for root in roots:
         for path in session_files(root):
-            if path.name.endswith(KEY_SUFFIXES) or path.suffix == ".tmp" or path.is_symlink():
+            if path.name.endswith(KEY_SUFFIXES) or path.suffix == ".tmp":
                 continue
             try:
                 data = path.read_bytes()

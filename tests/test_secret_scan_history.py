@@ -6,6 +6,7 @@ teardown run over each real stack asserts that it read histories at all."""
 from __future__ import annotations
 
 import base64
+import os
 import tempfile
 from pathlib import Path
 
@@ -83,6 +84,8 @@ def planted(tmp_path: Path) -> None:
     (venv / "lib").mkdir(parents=True)
     (venv / "pyvenv.cfg").write_text("home = /usr\n")
     (venv / "lib" / "site.py").write_bytes(raw.hex().encode())  # what an install wrote: not scanned
+    os.mkfifo(tmp_path / "logs" / "pipe")  # read, it would block for ever: not a regular file
+    (tmp_path / "logs" / "link").symlink_to(tmp_path / "logs" / "job.log")
     scan = Scan(needles)
     scan_files([tmp_path], scan)
     assert scan.hits == ["peer.key raw hex in file logs/job.log"], scan.hits
