@@ -1076,14 +1076,20 @@ async def run(args: argparse.Namespace) -> int:
     exempt = {name: float(getattr(base.cluster(name), "preempt_exempt_s", 0.0)) for name, _ in peers}
     model = preemption_chooser(max(exempt.values(), default=0.0))
     chooser, how = model.chooser, model.how
-    sim = simulate(
-        trace,
-        dict(peers),
-        scale=args.scale,
-        chooser=chooser,
-        preemption=how,
-        exempt_s=exempt if model.exemption else None,
-    )
+
+    def bound_of(backfill: bool) -> SimResult:
+        """The offline bound of this revision's policy, with or without backfill."""
+        return simulate(
+            trace,
+            dict(peers),
+            scale=args.scale,
+            chooser=chooser,
+            preemption=how,
+            exempt_s=exempt if model.exemption else None,
+            backfill=backfill,
+        )
+
+    sim = bound_of(True)
     capacity = cfg.capacity
     bound = figures(sim.outcomes, capacity, sim.end_s, tick_s)
     bound["preemption_model"] = how
@@ -1097,15 +1103,7 @@ async def run(args: argparse.Namespace) -> int:
     # The same bound with backfill off: the policy before issue 29's backfill, on the same trace.
     no_backfill: dict[str, Any] | None = None
     if backfill_setting(False):
-        before = simulate(
-            trace,
-            dict(peers),
-            scale=args.scale,
-            chooser=chooser,
-            preemption=how,
-            exempt_s=exempt if model.exemption else None,
-            backfill=False,
-        )
+        before = bound_of(False)
         no_backfill = figures(before.outcomes, capacity, before.end_s, tick_s)
     info = machine()
     print(f"code: {source_label()}; machine: {info['nproc']} CPUs, {info['mem_gib']} GiB", flush=True)
