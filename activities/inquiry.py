@@ -23,7 +23,7 @@ from iris.inquiry import DryRunRequest as DryRunRequest
 from iris.inquiry import PositionsAnswer as PositionsAnswer
 from iris.inquiry import PositionsRequest as PositionsRequest
 from iris.inquiry import UserShare
-from iris.policy.fairshare import Shares, federation_totals, held_devices
+from iris.policy.fairshare import held_devices, user_shares
 from iris.policy.models import PeerReport
 from iris.policy.queue import DryRun, dry_run, queue_positions
 from iris.reports import configured_backends
@@ -47,10 +47,10 @@ class InquiryActivities:
         positions = queue_positions(
             [h.shape for h in queued], inp.job_ids, in_use=in_use, reports=reports, fair_share=fair_share
         )
-        shares = Shares(in_use, federation_totals(reports), fair_share)
+        held = held_devices(in_use)
         users = {
-            user: UserShare(devices=sum(bands.values()), share=shares.share(user))
-            for user, bands in sorted(held_devices(in_use).items())
+            user: UserShare(devices=sum(held.get(user, {}).values()), share=share)
+            for user, share in user_shares(in_use, reports, fair_share).items()
         }
         return PositionsAnswer(
             positions=positions, queued=len(queued), at_ms=int(time.time() * 1000), users=users

@@ -25,7 +25,7 @@ from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.jobs import WaitReason
 from iris.policy import plan_request
-from iris.policy.fairshare import Shares, federation_totals, held_devices
+from iris.policy.fairshare import held_devices, user_shares
 from iris.policy.models import (
     DeviceRequest,
     FairShare,
@@ -170,8 +170,9 @@ class TickMetrics:
         for user, bands in held_devices(in_use).items():
             for band, n in bands.items():
                 per_user[(("user", user), ("band", band.label))] = n
-        shares = Shares(list(in_use), federation_totals(view.reports), fair_share or FairShare())
-        share: dict[Labels, float] = {(("user", u),): shares.share(u) for u in shares.used}
+        share: dict[Labels, float] = {
+            (("user", u),): s for u, s in user_shares(in_use, view.reports, fair_share or FairShare()).items()
+        }
         self._meter = meter
         self._set(meter, metrics.QUEUED_JOBS, counts)
         self._set(meter, metrics.USER_DEVICES, per_user)

@@ -127,6 +127,16 @@ def held_devices(in_use: Iterable[JobShape]) -> dict[str, dict[Band, int]]:
     return out
 
 
+def user_shares(
+    in_use: Sequence[JobShape], reports: Iterable[PeerReport], policy: FairShare
+) -> dict[str, float]:
+    """Each user holding devices, with its dominant share of them now (what ``iris job list
+    --shares`` and ``iris_user_share`` show), by user."""
+    shares = Shares(in_use, federation_totals(reports), policy)
+    users = sorted({*shares.used, *held_devices(in_use)})
+    return {user: shares.share(user) for user in users}
+
+
 class Shares:
     """What each user holds during one tick: its devices per token and in all, and its share.
 

@@ -49,7 +49,7 @@ from iris.policy import (
     plan,
     plan_reference,
 )
-from iris.policy.fairshare import Shares, account, federation_totals, fill_order
+from iris.policy.fairshare import Shares, account, federation_totals, fill_order, user_shares
 from iris.policy.queue import dry_run, queue_positions
 from iris.policy.reasons import ReasonCode
 from iris.policy.reference import plan_turns
@@ -468,3 +468,13 @@ def test_a_job_home_could_run_at_once_is_queued_when_its_user_is_at_a_cap() -> N
     )
     assert report.disposition is Disposition.QUEUE and report.placement is None
     assert report.code is ReasonCode.UserQuota
+
+
+def test_user_shares_lists_each_user_holding_devices_with_its_dominant_share() -> None:
+    reports = [peer(HOME, h100("b0", 8, held={Band.BATCH: 8}))]
+    tpu = JobShape(job_id="carol/t", device=DeviceRequest(type="tpu", variant="v5p", count=4))
+    assert user_shares([one_chip("alice/r", n=4), one_chip("bob/r", n=2), tpu], reports, FairShare()) == {
+        "alice": 0.25,
+        "bob": 0.125,
+        "carol": 0.0,  # ungated: devices held, no token to measure a share on
+    }
