@@ -2,7 +2,7 @@
 
     uv run python -m benchmarks.trace [--minutes 10] [--seed 1] [--scale 60] [--load 0.9]
                                       [--backend process|slurm] [--out FILE.json] [--source HEAD]
-                                      [--offline]
+                                      [--offline] [--fair-share]
 
 Issue 19's benchmark (docs/BENCHMARKS.md, "Scheduling quality (issue 19)"):
 
@@ -42,6 +42,14 @@ and in the bound; jobs that waited more than 10x their band's median (starvation
 one tick counts as one tick); then GPU utilization while any job waits (every shape of the trace
 fits some peer), preemptions and the GPU-seconds their runs had used (lost). ``--offline`` prints
 the trace and the bound without starting anything.
+
+**The fair-share scenario** (``--fair-share``, issue 29): every job is batch, and each is submitted
+by user a or b (signed as that user), a drawing five times as many as b, at a load (6 by default)
+where b alone asks all the H100s, so that both keep jobs waiting. Per user it prints jobs, waits,
+GPU-seconds held and lost; then b's share of the GPU-seconds the band's jobs held while every user
+had a job waiting (:func:`user_figures`; target at least 40%), measured, in the bound, and in the
+bound with FIFO within the band (``aging_horizon_s`` 0: the order before fair share). The bound
+orders a band with the measured revision's ``aging_horizon_s``, in replay seconds as the stack does.
 """
 
 # The arguments are checked, then the snapshot switch runs, before any project module is imported;
@@ -60,6 +68,15 @@ from pathlib import Path
 
 from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, run_from_snapshot
+
+DEFAULT_LOAD = 0.9
+# The fair-share scenario (--fair-share): batch only, user a submitting FAIR_SHARE_USERS' weights
+# times b's jobs, at a load where b alone asks all the H100s (b's 1/6 of 6.0), so that both users
+# keep jobs waiting and the order between them decides who holds what.
+FAIR_SHARE_USERS: tuple[tuple[str, float], ...] = (("a", 5.0), ("b", 1.0))
+FAIR_SHARE_LOAD = 6.0
+# What b should hold of the band's GPU-seconds while both wait (issue 29's acceptance 2).
+FAIR_SHARE_TARGET = 0.4
 
 
 def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -90,7 +107,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scale", type=_positive(float), default=60.0, help="trace seconds per replay second (compression)"
     )
-    p.add_argument("--load", type=_positive(float), default=0.9, help="offered load, as a share of the H100s")
+    p.add_argument(
+        "--load",
+        type=_positive(float),
+        help=(
+            f"offered load, as a share of the H100s (default {DEFAULT_LOAD:g}; "
+            f"{FAIR_SHARE_LOAD:g} with --fair-share)"
+        ),
+    )
+    p.add_argument(
+        "--fair-share",
+        action="store_true",
+        help=(
+            "the fair-share scenario: batch jobs only, user a submitting 5x as many as user b; reports "
+            "the GPU-seconds each held while both had a job waiting"
+        ),
+    )
     p.add_argument(
         "--backend",
         choices=("process", "slurm"),
@@ -182,6 +214,8 @@ class TraceJob:
     # The job's time limit (its --timeout), the user's estimate: its duration times a factor in
     # LIMIT_FACTOR, drawn from a generator of its own (the trace's jobs stay those of the seed).
     limit_s: float = 0.0
+    # Who submits it (TraceConfig.users, from a generator of its own); "" for the one default user.
+    user: str = ""
 
     @property
     def chips(self) -> int:
@@ -200,12 +234,18 @@ class TraceConfig:
     durations: tuple[tuple[Band, float, float], ...] = DEFAULT_DURATIONS
     gpus: tuple[tuple[int, float], ...] = DEFAULT_GPUS
     replicas: tuple[tuple[int, float], ...] = DEFAULT_REPLICAS
+    # (user, weight): each job's submitter, drawn with these weights; () for the one default user.
+    users: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.peers or min(c for _, c in self.peers) < 1:
             raise ValueError("the trace needs at least one peer with at least one H100")
         if self.window_s <= 0 or self.load <= 0:
             raise ValueError("the trace's window and load must be positive")
+        if self.users and (
+            min(w for _, w in self.users) <= 0 or len({u for u, _ in self.users}) < len(self.users)
+        ):
+            raise ValueError("the trace's users need distinct names and positive weights")
         if not self.shapes():
             raise ValueError(f"no shape fits a peer of at most {self.largest_peer} H100")
 
@@ -249,6 +289,7 @@ def generate(cfg: TraceConfig) -> list[TraceJob]:
     ranges = {b: (lo, hi) for b, lo, hi in cfg.durations}
     shapes = cfg.shapes()
     limits = random.Random(f"{cfg.seed}/limits")
+    users = random.Random(f"{cfg.seed}/users")
     jobs: list[TraceJob] = []
     t = rng.expovariate(rate)
     while t < cfg.window_s:
@@ -257,7 +298,8 @@ def generate(cfg: TraceConfig) -> list[TraceJob]:
         lo, hi = ranges[band]
         duration = rng.uniform(lo, hi)
         limit = duration * limits.uniform(*LIMIT_FACTOR) + LIMIT_SLACK_S
-        jobs.append(TraceJob(len(jobs), t, band, gpus, replicas, duration, limit))
+        user = users.choices([u for u, _ in cfg.users], [w for _, w in cfg.users])[0] if cfg.users else ""
+        jobs.append(TraceJob(len(jobs), t, band, gpus, replicas, duration, limit, user))
         t += rng.expovariate(rate)
     return jobs
 
@@ -284,6 +326,7 @@ class Outcome:
     chips: int
     submit_s: float | None
     runs: list[Run] = field(default_factory=list)
+    user: str = ""
 
 
 def queue_wait(o: Outcome, end_s: float) -> tuple[float, bool]:
@@ -300,27 +343,29 @@ def queue_wait(o: Outcome, end_s: float) -> tuple[float, bool]:
     return wait + max(0.0, end_s - t), True
 
 
+def deltas_of(o: Outcome, end_s: float) -> list[tuple[float, int, int]]:
+    """The job's (time, chips busy delta, jobs waiting delta) steps up to ``end_s``: it waits from
+    its submission to each run's start (and after a preempted run), and holds its chips while it
+    runs."""
+    deltas: list[tuple[float, int, int]] = []
+    if o.submit_s is None:
+        return deltas
+    t = o.submit_s
+    for r in sorted(o.runs, key=lambda r: r.start_s):
+        if r.start_s > t:
+            deltas += [(t, 0, 1), (r.start_s, 0, -1)]
+        end = end_s if r.end_s is None else r.end_s
+        deltas += [(r.start_s, o.chips, 0), (end, -o.chips, 0)]
+        if r.end_s is None or not r.preempted:
+            return deltas
+        t = r.end_s
+    return [*deltas, (t, 0, 1), (end_s, 0, -1)]
+
+
 def utilization(outcomes: Sequence[Outcome], capacity: int, start_s: float, end_s: float) -> dict[str, float]:
     """GPU utilization over ``[start_s, end_s]``: overall, and over the time some job waits (every
     shape of a trace fits some peer); plus how long jobs waited in that span."""
-    deltas: list[tuple[float, int, int]] = []  # (time, chips busy delta, jobs waiting delta)
-    for o in outcomes:
-        if o.submit_s is None:
-            continue
-        t = o.submit_s
-        done = False
-        for r in sorted(o.runs, key=lambda r: r.start_s):
-            if r.start_s > t:
-                deltas += [(t, 0, 1), (r.start_s, 0, -1)]
-            end = end_s if r.end_s is None else r.end_s
-            deltas += [(r.start_s, o.chips, 0), (end, -o.chips, 0)]
-            if r.end_s is None or not r.preempted:
-                done = True
-                break
-            t = r.end_s
-        if not done:
-            deltas += [(t, 0, 1), (end_s, 0, -1)]
-    deltas.sort()
+    deltas = sorted(d for o in outcomes for d in deltas_of(o, end_s))
     busy = waiting = 0
     last = start_s
     span = busy_area = wait_span = wait_busy = 0.0
@@ -342,6 +387,52 @@ def utilization(outcomes: Sequence[Outcome], capacity: int, start_s: float, end_
         "waiting_s": wait_span,
         "span_s": span,
     }
+
+
+def user_figures(outcomes: Sequence[Outcome], end_s: float, band: Band | None = None) -> dict[str, Any]:
+    """Per user (of ``band``'s jobs, or all): jobs, p50/p95 wait, GPU-seconds held, preemptions and
+    GPU-seconds lost; and the fair-share measure: the GPU-seconds each held while *every* user had
+    a job waiting (``contended_gpu_s``, over ``contended_s``), where a scheduler's order between
+    users shows (issue 29: with A submitting 5x B's batch jobs, B should hold at least 40%)."""
+    group = [o for o in outcomes if o.submit_s is not None and (band is None or o.band is band)]
+    users = sorted({o.user for o in group})
+    steps = sorted((t, o.user, busy, wait) for o in group for t, busy, wait in deltas_of(o, end_s))
+    busy = dict.fromkeys(users, 0)
+    waiting = dict.fromkeys(users, 0)
+    held = dict.fromkeys(users, 0.0)
+    contended = dict.fromkeys(users, 0.0)
+    contended_s = 0.0
+    last = min((t for t, *_ in steps), default=0.0)
+    for at, user, d_busy, d_wait in steps:
+        dt = min(at, end_s) - last
+        if dt > 0:
+            for u in users:
+                held[u] += busy[u] * dt
+            if len(users) > 1 and all(waiting[u] > 0 for u in users):
+                contended_s += dt
+                for u in users:
+                    contended[u] += busy[u] * dt
+        last = max(last, min(at, end_s))
+        busy[user] += d_busy
+        waiting[user] += d_wait
+    total = sum(contended.values())
+    out: dict[str, Any] = {}
+    for u in users:
+        mine = [o for o in group if o.user == u]
+        values = [queue_wait(o, end_s)[0] for o in mine]
+        lost = preemption_figures(mine)
+        out[u] = {
+            "jobs": len(mine),
+            "started": sum(1 for o in mine if o.runs),
+            "p50_s": percentile(values, 50),
+            "p95_s": percentile(values, 95),
+            "gpu_s": held[u],
+            "preemptions": lost["preemptions"],
+            "wasted_gpu_s": lost["wasted_gpu_s"],
+            "contended_gpu_s": contended[u],
+            "contended_share": contended[u] / total if total > 0 else float("nan"),
+        }
+    return {"band": band.label if band else "all", "contended_s": contended_s, "users": out}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -533,16 +624,28 @@ def _reports(
 
 def shape(job: TraceJob, submit_ms: int, scale: float = 1.0) -> JobShape:
     """The job as the policy sees it; its time limit in replay seconds (a revision before backfill
-    has no such field and ignores it)."""
-    return JobShape.model_validate(
-        {
-            "job_id": f"j{job.index}",
-            "device": DeviceRequest(type="gpu", variant=TOKEN, count=job.gpus, replicas=job.replicas),
-            "band": job.band,
-            "submit_ms": submit_ms,
-            "time_limit_ms": math.ceil(job.limit_s / scale * 1000) if job.limit_s else None,
-        }
-    )
+    has no such field and ignores it) and its user (the account its fair share counts; without
+    one, a job is its own account, which leaves the order within a band FIFO)."""
+    fields: dict[str, Any] = {
+        "job_id": f"j{job.index}",
+        "device": DeviceRequest(type="gpu", variant=TOKEN, count=job.gpus, replicas=job.replicas),
+        "band": job.band,
+        "submit_ms": submit_ms,
+        "time_limit_ms": math.ceil(job.limit_s / scale * 1000) if job.limit_s else None,
+    }
+    if job.user and "user" in JobShape.model_fields:
+        fields["user"] = job.user
+    return JobShape.model_validate(fields)
+
+
+def fair_share_setting(aging_horizon_s: float | None) -> dict[str, Any]:
+    """``plan``'s keyword for the order within a band: fair share with this aging horizon (replay
+    seconds; 0 is FIFO), or nothing (the default, or a revision before fair share, issue 29)."""
+    if aging_horizon_s is None or "fair_share" not in inspect.signature(plan).parameters:
+        return {}
+    from iris.policy import FairShare
+
+    return {"fair_share": FairShare(aging_horizon_ms=round(aging_horizon_s * 1000))}
 
 
 def backfill_setting(on: bool) -> dict[str, Any]:
@@ -591,6 +694,7 @@ def simulate(
     preemption: str = "not modelled",
     exempt_s: Mapping[str, float] | None = None,
     backfill: bool = True,
+    aging_horizon_s: float | None = None,
 ) -> SimResult:
     """The work-conserving replay of ``jobs`` on the pure policy, in replay seconds (trace seconds
     over ``scale``): classify at arrival, plan at every arrival and end, start what it places at
@@ -601,9 +705,11 @@ def simulate(
     planner does not count them reclaimable) and the chooser never takes it; the simulation also
     plans again when an exemption ends, as the process backend schedules its head again then.
     The plan sees the running jobs (``in_use``) and, in a revision with backfill, holds devices for
-    jobs that cannot start; ``backfill`` False turns that off (the policy before issue 29)."""
+    jobs that cannot start; ``backfill`` False turns that off (the policy before issue 29).
+    ``aging_horizon_s`` is the fair share's (the config's ``aging_horizon_s``; 0: FIFO within a
+    band; None: the policy's default)."""
     by_id = {f"j{j.index}": j for j in jobs}
-    outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in jobs}
+    outcomes = {j.index: Outcome(j.index, j.band, j.chips, None, user=j.user) for j in jobs}
     arrivals = sorted(jobs, key=lambda j: (j.arrival_s, j.index))
     running: dict[str, dict[int, tuple[Band, int, float]]] = {p: {} for p in peers}
     ends: list[tuple[float, int, str, int]] = []  # (end, index, peer, generation)
@@ -680,6 +786,7 @@ def simulate(
                 stale_after_ms=2**40,
                 in_use=holding(shapes, running),
                 **backfill_setting(backfill),
+                **fair_share_setting(aging_horizon_s),
             )
             placed = 0
             for p in result.placements:
@@ -718,6 +825,11 @@ class Seen:
     state: str
     started_ms: int | None
     finished_ms: int | None
+
+
+def submitter(user: str) -> str:
+    """The signed user who submits a trace job of ``user`` ("": the one default user)."""
+    return f"bench-trace-{user}@bench.local" if user else USER
 
 
 def gpu_peers(cfg: Any) -> list[tuple[str, int]]:
@@ -780,7 +892,8 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
         if args.backend == "slurm":
             slurm = await start_slurm(root)
             configure = lambda cfg: on_slurm(cfg, slurm)  # noqa: E731
-        await stack.start(configure, task_queue=TASK_QUEUE, users={USER: ["user", "admin"]})
+        users = {USER: ["user", "admin"], **{submitter(j.user): ["user", "admin"] for j in trace}}
+        await stack.start(configure, task_queue=TASK_QUEUE, users=users)
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
         dbs = {c.name: controller_db(stack, c.name) for c in stack.config.clusters}
@@ -815,7 +928,7 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
             spec = build_spec(
                 ["sleep", f"{j.duration_s / args.scale:.2f}"],
                 name=f"trace-{j.index:04d}",
-                user=USER,
+                user=submitter(j.user),
                 device_type="h100",
                 gpu_count=j.gpus,
                 replicas=j.replicas,
@@ -888,7 +1001,7 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
             states[st.state.value] = states.get(st.state.value, 0) + 1
             for a in st.attempts:
                 attempt_end[(job_id, a.nonce)] = (a.end or "", a.ended_ms)
-        outcomes = {j.index: Outcome(j.index, j.band, j.chips, None) for j in in_window}
+        outcomes = {j.index: Outcome(j.index, j.band, j.chips, None, user=j.user) for j in in_window}
         for index in job_ids.values():
             outcomes[index].submit_s = (submit_ms[index] - t0_ms) / 1000
         for (job_id, nonce), s in seen.items():
@@ -933,6 +1046,19 @@ def pct(v: float) -> str:
     return "-" if v != v else f"{100 * v:.0f}%"
 
 
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, rule: bool = True) -> list[str]:
+    """Aligned columns: the first to the left, the others to the right; a rule under the header."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    head = line(headers)
+    return [head, *(["-" * len(head)] if rule else []), *(line(r) for r in rows)]
+
+
 def report(
     measured: dict[str, Any] | None,
     bound: dict[str, Any],
@@ -961,19 +1087,7 @@ def report(
                 str(b["starved"]),
             ]
         )
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = [
-        "  ".join(
-            h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))
-        )
-    ]
-    lines.append("-" * len(lines[0]))
-    for r in rows:
-        lines.append(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
-        )
+    lines = table(headers, rows)
     bu, bp = bound["utilization"], bound["preemption"]
     if measured:
         mu, mp = measured["utilization"], measured["preemption"]
@@ -1002,6 +1116,51 @@ def report(
     lines.append(
         f"bound: work-conserving simulation on the pure policy; preemption {bound['preemption_model']}"
     )
+    return "\n".join(lines)
+
+
+def users_report(measured: dict[str, Any] | None, bound: dict[str, Any], fifo: dict[str, Any] | None) -> str:
+    """Per user (every band together): waits, GPU-seconds held and lost; then, per band with more
+    than one user, each user's share of the GPU-seconds held while every user had a job waiting
+    (the fair-share measure), measured, in the bound, and in the bound with FIFO within the band."""
+    main = measured or bound
+    headers = ["user", "jobs", "started", "p50 s", "p95 s", "GPU-s", "preemptions", "GPU-s lost"]
+    rows = [
+        [
+            user,
+            str(f["jobs"]),
+            str(f["started"]),
+            fmt(f["p50_s"]),
+            fmt(f["p95_s"]),
+            f"{f['gpu_s']:.0f}",
+            str(f["preemptions"]),
+            f"{f['wasted_gpu_s']:.0f}",
+        ]
+        for user, f in main["users"]["all"]["users"].items()
+    ]
+    lines = [f"per user ({'measured' if measured else 'bound'}):", *table(headers, rows, rule=False)]
+
+    def share(fig: dict[str, Any] | None, label: str, user: str) -> str:
+        if fig is None or label not in fig["users"] or user not in fig["users"][label]["users"]:
+            return "-"
+        f = fig["users"][label]
+        return f"{pct(f['users'][user]['contended_share'])} over {f['contended_s']:.0f}s"
+
+    for label in [b.label for b in Band]:
+        uf = main["users"].get(label)
+        if uf is None or len(uf["users"]) < 2:
+            continue
+        least = min(uf["users"], key=lambda u: uf["users"][u]["jobs"])
+
+        mine = uf["users"][least]["contended_share"]
+        verdict = "met" if mine >= FAIR_SHARE_TARGET else "NOT met"
+        lines.append(
+            f"fair share ({label}): {least}, with the fewest jobs, held {share(main, label, least)} "
+            f"{'measured' if measured else '(bound)'} of the GPU-seconds while every user had a job waiting"
+            + (f"; bound {share(bound, label, least)}" if measured else "")
+            + f"; bound with FIFO within the band {share(fifo, label, least)}"
+        )
+        lines.append(f"target of issue 29: the lightest user holds ≥ {pct(FAIR_SHARE_TARGET)}: {verdict}")
     return "\n".join(lines)
 
 
@@ -1046,6 +1205,11 @@ def figures(outcomes: Sequence[Outcome], capacity: int, end_s: float, tick_s: fl
         "bands": summarize(outcomes, end_s, tick_s),
         "utilization": utilization(outcomes, capacity, start, end_s),
         "preemption": preemption_figures(outcomes),
+        "users": {
+            label: user_figures(outcomes, end_s, band)
+            for label, band in [("all", None), *((b.label, b) for b in Band)]
+            if any(o.band is band or band is None for o in outcomes)
+        },
         "end_s": end_s,
     }
 
@@ -1070,15 +1234,24 @@ async def run(args: argparse.Namespace) -> int:
     peers = gpu_peers(base)
     tick_s = float(base.tick_interval_s)
     window_replay = args.minutes * 60 * ARRIVAL_SHARE
-    cfg = TraceConfig(peers=tuple(peers), window_s=window_replay * args.scale, seed=args.seed, load=args.load)
+    load = args.load if args.load is not None else FAIR_SHARE_LOAD if args.fair_share else DEFAULT_LOAD
+    scenario: dict[str, Any] = (
+        {"bands": ((Band.BATCH, 1.0),), "users": FAIR_SHARE_USERS} if args.fair_share else {}
+    )
+    cfg = TraceConfig(
+        peers=tuple(peers), window_s=window_replay * args.scale, seed=args.seed, load=load, **scenario
+    )
     trace = generate(cfg)
+    # The order within a band as the measured revision's config has it (none before issue 29).
+    horizon: float | None = getattr(base, "aging_horizon_s", None)
     # Each peer's preempt_exempt_s as the measured revision's config has it (none before issue 29).
     exempt = {name: float(getattr(base.cluster(name), "preempt_exempt_s", 0.0)) for name, _ in peers}
     model = preemption_chooser(max(exempt.values(), default=0.0))
     chooser, how = model.chooser, model.how
 
-    def bound_of(backfill: bool) -> SimResult:
-        """The offline bound of this revision's policy, with or without backfill."""
+    def bound_of(backfill: bool, aging_horizon_s: float | None = horizon) -> SimResult:
+        """The offline bound of this revision's policy, with or without backfill, with its fair
+        share or another aging horizon (0: FIFO within a band)."""
         return simulate(
             trace,
             dict(peers),
@@ -1087,6 +1260,7 @@ async def run(args: argparse.Namespace) -> int:
             preemption=how,
             exempt_s=exempt if model.exemption else None,
             backfill=backfill,
+            aging_horizon_s=aging_horizon_s,
         )
 
     sim = bound_of(True)
@@ -1094,6 +1268,11 @@ async def run(args: argparse.Namespace) -> int:
     bound = figures(sim.outcomes, capacity, sim.end_s, tick_s)
     bound["preemption_model"] = how
     bound["rejected"] = sim.rejected
+    # The same bound with FIFO within each band: the order before fair share (issue 29).
+    fifo: dict[str, Any] | None = None
+    if cfg.users and fair_share_setting(0.0):
+        fifo_sim = bound_of(True, 0.0)
+        fifo = figures(fifo_sim.outcomes, capacity, fifo_sim.end_s, tick_s)
     # The same bound with held capacity never reclaimed: what a stack whose backends do not preempt
     # could reach at best (the comparison before and after preemption lands).
     plain: dict[str, Any] | None = None
@@ -1138,6 +1317,11 @@ async def run(args: argparse.Namespace) -> int:
     if no_backfill is not None:
         data["bound_without_backfill"] = no_backfill
         print(plain_line(no_backfill, "bound without backfill (nothing held for a job that cannot start)"))
+    if cfg.users:
+        if fifo is not None:
+            data["bound_fifo"] = fifo
+        print()
+        print(users_report(measured, bound, fifo), flush=True)
     print(f"\ncode: {source_label()}; after: {uptime_line()}")
     write_json(args.out, data)
     return 0

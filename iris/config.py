@@ -492,7 +492,8 @@ class FederationConfig(BaseModel):
     # Fair share and aging within a band (docs/DESIGN.md, "Fair share and aging"): a user's jobs go
     # as if submitted later by this × their dominant share of the devices in use (0 to 1), so a job
     # goes ahead of every job of its band submitted more than this after it. 0: FIFO in a band.
-    aging_horizon_s: float = Field(default=600.0, ge=0, le=7 * 86_400)
+    # A day by default: the waits it must outweigh are hours (the DESIGN section says why).
+    aging_horizon_s: float = Field(default=86_400.0, ge=0, le=7 * 86_400)
     # Per-user caps on devices in use (`[quotas]`); none by default.
     quotas: QuotasConfig = QuotasConfig()
     # Backfill (`[backfill]`): on by default, with a day for production and batch jobs without

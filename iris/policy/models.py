@@ -286,7 +286,7 @@ class WaitingGroup(BaseModel):
     verdicts: list[PeerVerdict] = Field(default_factory=list)
 
 
-DEFAULT_AGING_HORIZON_MS = 600_000
+DEFAULT_AGING_HORIZON_MS = 86_400_000
 
 
 class Quotas(BaseModel):

@@ -135,6 +135,20 @@ def check_trace(run: Run, tmp: Path) -> None:
     assert "errors, e.g." not in run.stderr
 
 
+def check_trace_fair_share(run: Run, tmp: Path) -> None:
+    """The fair-share scenario: batch only, two users, each one's row, and b's share line."""
+    out = run.stdout
+    m = re.search(r"trace: seed 1, (\d+) jobs \(production 0, interactive 0, batch (\d+)\)", out)
+    assert m and int(m.group(1)) == int(m.group(2)) > 0, out
+    assert sum(_dict_after("home states at the end:", out).values()) == int(m.group(1))
+    table = out.split("per user (measured):", 1)[1]
+    jobs = {u: int(n) for u, n in re.findall(r"^([ab])\s+(\d+)\s+\d+\s", table, re.MULTILINE)}
+    assert set(jobs) == {"a", "b"} and jobs["a"] + jobs["b"] == int(m.group(1)), table
+    assert re.search(r"fair share \(batch\): b, with the fewest jobs, held (\d+%|-)", table), table
+    assert "target of issue 29: the lightest user holds" in table
+    assert "errors, e.g." not in run.stderr
+
+
 def check_workers(run: Run, tmp: Path) -> None:
     out = run.stdout
     for phase, workers in (("p1-1w", 1), ("p2-2w", 2)):
@@ -193,6 +207,8 @@ SMOKES = [
     Smoke("trace", check_trace),
     # The same trace with the GPU peers on a single-node Slurm (issue 30).
     Smoke("trace", check_trace, ("--backend", "slurm"), needs=slurm_available, name="trace-slurm"),
+    # The fair-share scenario (issue 29): two users, each submission signed by its own.
+    Smoke("trace", check_trace_fair_share, ("--fair-share",), name="trace-fair-share"),
     Smoke("workers", check_workers, needs=postgres_reachable),
     # Service-free, in-process: the fast subset runs them too.
     Smoke("policy_bench", check_policy_bench, stack=False),

@@ -5,15 +5,20 @@ the real-stack replay are reduced to. Service-free and fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import re
 from collections import Counter
 
 import pytest
 
 from benchmarks.trace import (
+    FAIR_SHARE_LOAD,
+    FAIR_SHARE_USERS,
     Outcome,
     Run,
+    SimResult,
     TraceConfig,
     TraceJob,
     generate,
@@ -24,6 +29,8 @@ from benchmarks.trace import (
     simulate,
     summarize,
     targets,
+    user_figures,
+    users_report,
     utilization,
 )
 from iris.policy import Band
@@ -93,6 +100,30 @@ def test_the_rate_scales_with_the_load_and_the_peers() -> None:
     assert bigger.rate() < 2 * base.rate()
     assert sum(p for _, _, p in bigger.shapes()) == pytest.approx(1.0)
     assert sum(p for _, _, p in base.shapes()) == pytest.approx(1.0)
+
+
+def test_users_are_drawn_at_their_weights_without_changing_the_seeds_jobs() -> None:
+    plain = generate(TraceConfig(peers=PEERS, window_s=400_000, seed=5))
+    shared = generate(TraceConfig(peers=PEERS, window_s=400_000, seed=5, users=FAIR_SHARE_USERS))
+    # The same jobs (arrivals, bands, shapes, durations, limits): only who submits them is new.
+    assert [dataclasses.replace(j, user="") for j in shared] == plain
+    assert {j.user for j in plain} == {""}
+    users = Counter(j.user for j in shared)
+    assert set(users) == {"a", "b"} and len(shared) > 300
+    assert abs(users["a"] / users["b"] - 5) < 1.2
+    with pytest.raises(ValueError, match="distinct names and positive weights"):
+        TraceConfig(peers=PEERS, window_s=10, users=(("a", 1.0), ("a", 2.0)))
+    with pytest.raises(ValueError, match="distinct names and positive weights"):
+        TraceConfig(peers=PEERS, window_s=10, users=(("a", 0.0),))
+
+
+def test_the_fair_share_scenario_is_batch_only_at_its_own_load_unless_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parser().parse_args(["--fair-share"])
+    assert args.fair_share and args.load is None  # run() then takes FAIR_SHARE_LOAD
+    assert FAIR_SHARE_LOAD > 1 and dict(FAIR_SHARE_USERS) == {"a": 5.0, "b": 1.0}
+    assert parser().parse_args(["--fair-share", "--load", "2"]).load == 2.0
 
 
 def test_a_trace_config_that_cannot_work_is_refused() -> None:
@@ -277,3 +308,89 @@ def test_the_targets_line_says_which_of_issue_19s_targets_are_met() -> None:
     line = targets({"bands": summarize(xs, 12.0, 2.0), "utilization": utilization(xs, 8, 0.0, 12.0)})
     assert "production p95 ≤ 2 ticks NOT met (5.0)" in line
     assert "no starvation NOT met (0 starved, 1 still waiting)" in line
+
+
+# ---- fair share between users -----------------------------------------------------------------
+
+
+def test_user_figures_count_what_each_user_held_while_every_user_had_a_job_waiting() -> None:
+    # a: 4 chips 0-10, then a job waiting 2-10 (runs 10-12); b: a job waiting 5-8, then 2 chips 8-12.
+    # Both wait in [5, 8]: a holds 4 chips, b none; then b's job starts: 3 s x 4 = 12 GPU-s for a.
+    outcomes = [
+        Outcome(0, B, 4, 0.0, [Run(0, 10)], user="a"),
+        Outcome(1, B, 4, 2.0, [Run(10, 12)], user="a"),
+        Outcome(2, B, 2, 5.0, [Run(8, 12)], user="b"),
+        Outcome(3, IA, 8, 0.0, [Run(0, 12)], user="b"),  # another band: not counted for batch
+    ]
+    fig = user_figures(outcomes, 12.0, B)
+    assert fig["contended_s"] == 3.0
+    a, b = fig["users"]["a"], fig["users"]["b"]
+    assert a["contended_gpu_s"] == 12.0 and b["contended_gpu_s"] == 0.0
+    assert a["contended_share"] == 1.0 and b["contended_share"] == 0.0
+    assert a["gpu_s"] == 48.0 and b["gpu_s"] == 8.0
+    assert (a["jobs"], a["p50_s"], b["p95_s"]) == (2, 4.0, 3.0)
+    # Every band: b's interactive job counts, and its batch job waits as before.
+    every = user_figures(outcomes, 12.0)
+    assert every["users"]["b"]["gpu_s"] == 8.0 + 96.0 and every["contended_s"] == 3.0
+    # One user alone is never "contended".
+    assert user_figures(outcomes[:2], 12.0, B)["contended_s"] == 0.0
+    # A preempted run: lost GPU-seconds per user, and its wait after the preemption is counted.
+    bumped = [Outcome(0, B, 2, 0.0, [Run(0, 4, preempted=True), Run(6, 9)], user="a")]
+    mine = user_figures(bumped, 9.0)["users"]["a"]
+    assert (mine["preemptions"], mine["wasted_gpu_s"], mine["p50_s"]) == (1, 8.0, 2.0)
+
+
+def fair_share_trace(n_a: int, n_b: int) -> list[TraceJob]:
+    """a's ``n_a`` 4-chip batch jobs arrive first, then b's ``n_b``: on one 8-chip peer."""
+    jobs = [TraceJob(i, 0.1 * i, B, 4, 1, 10.0, user="a") for i in range(n_a)]
+    jobs += [TraceJob(n_a + i, 0.1 * (n_a + i), B, 4, 1, 10.0, user="b") for i in range(n_b)]
+    return jobs
+
+
+def test_with_fair_share_the_light_users_job_goes_ahead_of_the_heavy_users_backlog() -> None:
+    trace = fair_share_trace(6, 2)
+
+    def starts(r: SimResult, user: str) -> list[float]:
+        return sorted(o.runs[0].start_s for o in r.outcomes if o.user == user)
+
+    # FIFO within the band (horizon 0): b's jobs run last, after a's whole backlog.
+    fifo = simulate(trace, {"p": 8}, aging_horizon_s=0.0)
+    assert min(starts(fifo, "b")) >= 30 > max(starts(fifo, "a"))
+    # Fair share: when a's first job ends (t = 10), a holds half the peer and b nothing: b's first
+    # job takes the room, ahead of a's four waiting. At 10.1 a holds nothing and b half: a's next
+    # goes; at 20 b's first ends and b's second goes ahead of a's three still waiting.
+    fair = simulate(trace, {"p": 8}, aging_horizon_s=3600.0)
+    b_starts, a_starts = starts(fair, "b"), starts(fair, "a")
+    assert b_starts == [pytest.approx(10.0), pytest.approx(20.0)]
+    assert sum(1 for t in a_starts if t < b_starts[1]) == 3
+    fair_b = user_figures(fair.outcomes, fair.end_s, B)["users"]["b"]["contended_share"]
+    fifo_b = user_figures(fifo.outcomes, fifo.end_s, B)["users"]["b"]["contended_share"]
+    assert fifo_b == 0.0 < fair_b
+
+
+def test_the_users_report_gives_the_lightest_users_share_and_the_verdict() -> None:
+    trace = fair_share_trace(6, 2)
+    fair = simulate(trace, {"p": 8}, aging_horizon_s=3600.0)
+    fifo = simulate(trace, {"p": 8}, aging_horizon_s=0.0)
+    bound = {
+        "users": {
+            "all": user_figures(fair.outcomes, fair.end_s),
+            B.label: user_figures(fair.outcomes, fair.end_s, B),
+        }
+    }
+    plain = {
+        "users": {
+            "all": user_figures(fifo.outcomes, fifo.end_s),
+            B.label: user_figures(fifo.outcomes, fifo.end_s, B),
+        }
+    }
+    text = users_report(None, bound, plain)
+    assert "per user (bound):" in text
+    assert re.search(r"^a\s+6\s+6\s", text, re.MULTILINE) and re.search(r"^b\s+2\s+2\s", text, re.MULTILINE)
+    share = bound["users"][B.label]["users"]["b"]["contended_share"]
+    assert f"fair share (batch): b, with the fewest jobs, held {round(100 * share)}%" in text
+    assert "bound with FIFO within the band 0%" in text
+    assert ("target of issue 29: the lightest user holds ≥ 40%: met" in text) == (share >= 0.4)
+    # Measured beside the bound: both shares on one line.
+    text = users_report(plain, bound, plain)
+    assert "per user (measured):" in text and "NOT met" in text and "; bound " in text
