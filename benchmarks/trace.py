@@ -79,14 +79,16 @@ FAIR_SHARE_LOAD = 6.0
 FAIR_SHARE_TARGET = 0.4
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+def _positive(kind: Callable[[str], float], *, zero: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value > 0 or value == math.inf:
-            raise argparse.ArgumentTypeError(f"must be a positive number: {text!r}")
+        if not (value >= 0 if zero else value > 0) or value == math.inf:
+            raise argparse.ArgumentTypeError(
+                f"must be a {'non-negative' if zero else 'positive'} number: {text!r}"
+            )
         return value
 
     return parse
@@ -128,6 +130,16 @@ def parser() -> argparse.ArgumentParser:
         choices=("process", "slurm"),
         default="process",
         help="where the GPU peers run their jobs: processes, or a single-node Slurm started for the run",
+    )
+    p.add_argument(
+        "--preempt-exempt-s",
+        type=_positive(float, zero=True),
+        help="every peer's preempt_exempt_s, in the stack and the bound (default: the config's)",
+    )
+    p.add_argument(
+        "--aging-horizon-s",
+        type=_positive(float, zero=True),
+        help="the fair share's aging_horizon_s, in the stack and the bound (default: the config's; 0: FIFO)",
     )
     p.add_argument("--offline", action="store_true", help="print the trace and the bound only; start nothing")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -855,6 +867,15 @@ async def start_slurm(root: Path) -> Any:
     return slurm
 
 
+def overrides(cfg: Any, args: argparse.Namespace) -> None:
+    """``--preempt-exempt-s`` and ``--aging-horizon-s`` on ``cfg`` (in place), where given."""
+    if args.preempt_exempt_s is not None:
+        for c in cfg.clusters:
+            c.preempt_exempt_s = args.preempt_exempt_s
+    if args.aging_horizon_s is not None:
+        cfg.aging_horizon_s = args.aging_horizon_s
+
+
 def on_slurm(cfg: Any, slurm: Any) -> None:
     """The GPU peers' backends of ``cfg`` (in place) as config/clusters-slurm.toml has them, on
     ``slurm``."""
@@ -888,10 +909,14 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
     try:
         # Submissions are signed by their user (docs/DESIGN.md, "User → home"); the production band
         # needs the admin role.
-        configure: Callable[[Any], None] = lambda _cfg: None  # noqa: E731
         if args.backend == "slurm":
             slurm = await start_slurm(root)
-            configure = lambda cfg: on_slurm(cfg, slurm)  # noqa: E731
+
+        def configure(cfg: Any) -> None:
+            if slurm is not None:
+                on_slurm(cfg, slurm)
+            overrides(cfg, args)
+
         users = {USER: ["user", "admin"], **{submitter(j.user): ["user", "admin"] for j in trace}}
         await stack.start(configure, task_queue=TASK_QUEUE, users=users)
         await stack.start_worker()
@@ -1231,6 +1256,7 @@ async def run(args: argparse.Namespace) -> int:
     from iris.config import load_config
 
     base = load_config()
+    overrides(base, args)
     peers = gpu_peers(base)
     tick_s = float(base.tick_interval_s)
     window_replay = args.minutes * 60 * ARRIVAL_SHARE

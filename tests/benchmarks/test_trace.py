@@ -22,6 +22,7 @@ from benchmarks.trace import (
     TraceConfig,
     TraceJob,
     generate,
+    overrides,
     parser,
     preemption_chooser,
     preemption_figures,
@@ -126,6 +127,16 @@ def test_the_fair_share_scenario_is_batch_only_at_its_own_load_unless_told(
     assert parser().parse_args(["--fair-share", "--load", "2"]).load == 2.0
 
 
+def test_the_exemption_and_the_horizon_can_be_set_for_the_stack_and_the_bound() -> None:
+    from iris.config import load_config
+
+    cfg = load_config()
+    overrides(cfg, parser().parse_args([]))
+    assert cfg == load_config()  # nothing given: the config's own
+    overrides(cfg, parser().parse_args(["--preempt-exempt-s", "0", "--aging-horizon-s", "30"]))
+    assert {c.preempt_exempt_s for c in cfg.clusters} == {0.0} and cfg.aging_horizon_s == 30.0
+
+
 def test_a_trace_config_that_cannot_work_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one peer"):
         TraceConfig(peers=(), window_s=10)
@@ -136,7 +147,14 @@ def test_a_trace_config_that_cannot_work_is_refused() -> None:
 
 
 def test_bad_command_line_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--minutes", "0"], ["--minutes", "nan"], ["--scale", "-1"], ["--load", "x"]):
+    for argv in (
+        ["--minutes", "0"],
+        ["--minutes", "nan"],
+        ["--scale", "-1"],
+        ["--load", "x"],
+        ["--preempt-exempt-s", "-1"],
+        ["--aging-horizon-s", "inf"],
+    ):
         with pytest.raises(SystemExit) as exc:
             parser().parse_args(argv)
         assert exc.value.code == 2
