@@ -908,7 +908,7 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
     sampler: asyncio.Task[None] | None = None
     try:
         # Submissions are signed by their user (docs/DESIGN.md, "User → home"); the production band
-        # needs the admin role.
+        # needs the admin role, which only a user with production jobs gets.
         if args.backend == "slurm":
             slurm = await start_slurm(root)
 
@@ -917,7 +917,11 @@ async def replay(args: argparse.Namespace, trace: Sequence[TraceJob], tick_s: fl
                 on_slurm(cfg, slurm)
             overrides(cfg, args)
 
-        users = {USER: ["user", "admin"], **{submitter(j.user): ["user", "admin"] for j in trace}}
+        users: dict[str, list[str]] = {USER: ["user"]}  # the warm-up job's
+        users.update({submitter(j.user): ["user"] for j in trace})
+        for j in trace:
+            if j.band is Band.PRODUCTION:
+                users[submitter(j.user)] = ["user", "admin"]
         await stack.start(configure, task_queue=TASK_QUEUE, users=users)
         await stack.start_worker()
         iris = AsyncIrisClient(stack.client, stack.config)
@@ -1176,7 +1180,6 @@ def users_report(measured: dict[str, Any] | None, bound: dict[str, Any], fifo: d
         if uf is None or len(uf["users"]) < 2:
             continue
         least = min(uf["users"], key=lambda u: uf["users"][u]["jobs"])
-
         mine = uf["users"][least]["contended_share"]
         verdict = "met" if mine >= FAIR_SHARE_TARGET else "NOT met"
         lines.append(
@@ -1239,6 +1242,18 @@ def figures(outcomes: Sequence[Outcome], capacity: int, end_s: float, tick_s: fl
     }
 
 
+def trace_config(args: argparse.Namespace, peers: Sequence[tuple[str, int]]) -> TraceConfig:
+    """What the command line asks to replay: the three bands of one user at ``--load`` (default
+    DEFAULT_LOAD), or with ``--fair-share`` batch jobs only of FAIR_SHARE_USERS at FAIR_SHARE_LOAD
+    unless ``--load`` says otherwise. Arrivals fill ARRIVAL_SHARE of ``--minutes``, in trace time."""
+    load = args.load if args.load is not None else FAIR_SHARE_LOAD if args.fair_share else DEFAULT_LOAD
+    scenario: dict[str, Any] = (
+        {"bands": ((Band.BATCH, 1.0),), "users": FAIR_SHARE_USERS} if args.fair_share else {}
+    )
+    window_s = args.minutes * 60 * ARRIVAL_SHARE * args.scale
+    return TraceConfig(peers=tuple(peers), window_s=window_s, seed=args.seed, load=load, **scenario)
+
+
 def trace_line(trace: Sequence[TraceJob], cfg: TraceConfig, scale: float) -> str:
     by_band = {b.label: sum(1 for j in trace if j.band is b) for b in Band}
     chips_s = sum(j.chips * j.duration_s for j in trace)
@@ -1259,14 +1274,7 @@ async def run(args: argparse.Namespace) -> int:
     overrides(base, args)
     peers = gpu_peers(base)
     tick_s = float(base.tick_interval_s)
-    window_replay = args.minutes * 60 * ARRIVAL_SHARE
-    load = args.load if args.load is not None else FAIR_SHARE_LOAD if args.fair_share else DEFAULT_LOAD
-    scenario: dict[str, Any] = (
-        {"bands": ((Band.BATCH, 1.0),), "users": FAIR_SHARE_USERS} if args.fair_share else {}
-    )
-    cfg = TraceConfig(
-        peers=tuple(peers), window_s=window_replay * args.scale, seed=args.seed, load=load, **scenario
-    )
+    cfg = trace_config(args, peers)
     trace = generate(cfg)
     # The order within a band as the measured revision's config has it (none before issue 29).
     horizon: float | None = getattr(base, "aging_horizon_s", None)

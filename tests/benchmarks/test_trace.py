@@ -14,6 +14,8 @@ from collections import Counter
 import pytest
 
 from benchmarks.trace import (
+    ARRIVAL_SHARE,
+    DEFAULT_LOAD,
     FAIR_SHARE_LOAD,
     FAIR_SHARE_USERS,
     Outcome,
@@ -30,6 +32,7 @@ from benchmarks.trace import (
     simulate,
     summarize,
     targets,
+    trace_config,
     user_figures,
     users_report,
     utilization,
@@ -118,13 +121,19 @@ def test_users_are_drawn_at_their_weights_without_changing_the_seeds_jobs() -> N
         TraceConfig(peers=PEERS, window_s=10, users=(("a", 0.0),))
 
 
-def test_the_fair_share_scenario_is_batch_only_at_its_own_load_unless_told(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_the_fair_share_scenario_is_batch_only_at_its_own_load_unless_told() -> None:
     args = parser().parse_args(["--fair-share"])
-    assert args.fair_share and args.load is None  # run() then takes FAIR_SHARE_LOAD
+    assert args.fair_share and args.load is None
     assert FAIR_SHARE_LOAD > 1 and dict(FAIR_SHARE_USERS) == {"a": 5.0, "b": 1.0}
-    assert parser().parse_args(["--fair-share", "--load", "2"]).load == 2.0
+    cfg = trace_config(args, PEERS)
+    assert cfg.bands == ((B, 1.0),) and cfg.users == FAIR_SHARE_USERS and cfg.load == FAIR_SHARE_LOAD
+    trace = generate(cfg)
+    assert {j.band for j in trace} == {B} and {j.user for j in trace} == {"a", "b"}
+    assert trace_config(parser().parse_args(["--fair-share", "--load", "2"]), PEERS).load == 2.0
+    # Without it: the three bands, one user, the default load; the window is in trace seconds.
+    plain = trace_config(parser().parse_args(["--minutes", "2", "--scale", "10"]), PEERS)
+    assert plain.users == () and len(plain.bands) == 3 and plain.load == DEFAULT_LOAD
+    assert plain.window_s == 2 * 60 * ARRIVAL_SHARE * 10
 
 
 def test_the_exemption_and_the_horizon_can_be_set_for_the_stack_and_the_bound() -> None:
