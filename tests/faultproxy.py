@@ -222,8 +222,14 @@ class FaultProxy:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
+        """Stop at once: uvicorn's graceful shutdown would wait for the requests in flight, and a
+        watcher's long poll of the change feed (forwarded, and still waiting at the controller
+        after the worker stopped) held every stack's teardown for ~18 s."""
         if self._server is not None:
             self._server.should_exit = True
+            self._server.force_exit = True
+        for transport in list(self._connections.values()):
+            transport.abort()
         for task in [*self._stopping, *([self._task] if self._task is not None else [])]:
             with contextlib.suppress(Exception):
                 await task
