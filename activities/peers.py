@@ -140,6 +140,13 @@ def _last_contacts(view: FederationView, stored: list[PeerReport]) -> list[PeerR
     ]
 
 
+def _beat(*details: object) -> None:
+    """A heartbeat, unless this runs as a local activity (a reported end's confirmation, in the
+    workflow's own task: it has no heartbeat to send)."""
+    if not activity.info().is_local:
+        activity.heartbeat(*details)
+
+
 class PeerActivities:
     def __init__(
         self,
@@ -330,9 +337,9 @@ class PeerActivities:
                 except ControllerError as exc:
                     if not exc.retryable:
                         raise
-                    activity.heartbeat(f"{inp.cluster} unavailable: {exc.message}")
+                    _beat(f"{inp.cluster} unavailable: {exc.message}")
                 else:
-                    activity.heartbeat(last.state.value)
+                    _beat(last.state.value)
                     if last.state.value != inp.known_state or last.terminal:
                         return last
                     if time.monotonic() > deadline:

@@ -626,6 +626,10 @@ SCENARIOS = [
     Scenario("too_large_rejected", too_large_rejected),
     Scenario("parked_released_retaken", parked_released_retaken, alone=True),
     Scenario("parked_retake_requeued", parked_retake_requeued, alone=True),
+    # LOCAL_CONFIRM_PATCH: the same two, recorded once the reported end is confirmed by a local
+    # activity (followed_by_watcher.json and forged_observe_ignored.json keep the regular one).
+    Scenario("end_confirmed_locally", followed_by_watcher),
+    Scenario("forged_observe_confirmed_locally", forged_observe_ignored),
 ]
 MANAGER = "placement_manager"
 WATCHER = "peer_watch"

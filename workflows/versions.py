@@ -110,6 +110,12 @@ PARK_PATCH = "parked-frees-capacity-v1"
 # ends it KILLED before handoff (before it, the cancel read the ended attempt back from its cluster
 # and the job ended with that attempt's end). Asked in the first task of every run, as FEED_PATCH.
 REQUEUE_PATCH = "preemption-requeues-v1"
+# Runs with this patch read an end a watcher reported back from its cluster (confirm_end:
+# mirror_job, the status and the last of the output relayed home) as a local activity, in the
+# workflow task that took the observation, instead of a regular activity and two more tasks
+# (docs/DESIGN.md, "A burst of ends"). A run that predates it reads it as before. Asked in the
+# first task of every run, as FEED_PATCH.
+LOCAL_CONFIRM_PATCH = "local-end-confirm-v1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +134,8 @@ class Features:
     can_continue: bool = False
     numbered: bool = False
     sizing: bool = False
-    # AUTH_PATCH, FEED_PATCH, PREEMPT_PATCH, TIMERS_PATCH, SIGNALS_PATCH, PARK_PATCH, REQUEUE_PATCH:
-    # asked in the first task of every run.
+    # AUTH_PATCH, FEED_PATCH, PREEMPT_PATCH, TIMERS_PATCH, SIGNALS_PATCH, PARK_PATCH, REQUEUE_PATCH,
+    # LOCAL_CONFIRM_PATCH: asked in the first task of every run.
     authenticating: bool = False
     feed: bool = False
     preemption: bool = False
@@ -137,6 +143,8 @@ class Features:
     wary: bool = False
     frees: bool = False
     requeues: bool = False
+    # LOCAL_CONFIRM_PATCH: a reported end is read back from its cluster by a local activity.
+    local_confirm: bool = False
 
 
 def read(
@@ -184,6 +192,7 @@ def read(
         wary=workflow.patched(SIGNALS_PATCH),
         frees=workflow.patched(PARK_PATCH),
         requeues=workflow.patched(REQUEUE_PATCH),
+        local_confirm=workflow.patched(LOCAL_CONFIRM_PATCH),
     )
 
 

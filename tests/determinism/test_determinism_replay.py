@@ -36,6 +36,7 @@ from workflows.job import (
     EARLIER_ATTEMPT_PATCH,
     FEED_PATCH,
     HOME_LEDGER_PATCH,
+    LOCAL_CONFIRM_PATCH,
     LOCAL_STEPS_PATCH,
     PARK_PATCH,
     PREEMPT_PATCH,
@@ -109,6 +110,10 @@ PATCHED_PATHS = {
     # Issue 29: a batch job with --max-retries-preemption 0, preempted for an interactive job, queued
     # again without spending a budget, then succeeds (before the patch it ended FAILED, Preempted).
     "preempted_past_budget_requeued": REQUEUE_PATCH,
+    # Issue 31: a watcher's reported end read back from its cluster by a local activity, in the
+    # task that took the observation (a genuine end, and a forged SUCCEEDED the cluster denies).
+    "end_confirmed_locally": LOCAL_CONFIRM_PATCH,
+    "forged_observe_confirmed_locally": LOCAL_CONFIRM_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
 REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}
@@ -196,6 +201,8 @@ def test_histories_end_where_their_name_says() -> None:
         "deadline_unschedulable": "UNSCHEDULABLE",
         "forged_place_and_expire_ignored": "KILLED",
         "forged_observe_ignored": "SUCCEEDED",
+        "end_confirmed_locally": "SUCCEEDED",
+        "forged_observe_confirmed_locally": "SUCCEEDED",
         "malformed_start_rejected": "REJECTED",
         "foreign_name_rejected": "REJECTED",
         "too_large_rejected": "REJECTED",

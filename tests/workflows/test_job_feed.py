@@ -121,3 +121,29 @@ async def test_a_reader_of_the_log_gets_it_relayed_every_second(fed: Federation)
     assert 0 < follow.max_wait_s <= 60 and follow.log_interval_s == 1.0
     fed.fake.set_remote_state(PEER, spec.job_id, ControllerJobState.SUCCEEDED)
     assert (await fed.result(handle)).state is JobState.SUCCEEDED
+
+
+async def test_a_reported_end_is_confirmed_and_closed_in_one_workflow_task(fed: Federation) -> None:
+    """LOCAL_CONFIRM_PATCH (issue 31, a burst of ends): the watcher's end is read back from its
+    cluster by a local activity in the task that took the signal, which also closes the job; no
+    activity goes through the task queue between the signal and the close."""
+    spec, handle = await running_with_a_watcher(fed, "feed-one-task")
+    fed.fake.set_remote_state(PEER, spec.job_id, ControllerJobState.SUCCEEDED)
+    await handle.signal(JobWorkflow.observe, seen(fed, spec, 7, ControllerJobState.SUCCEEDED))
+    assert (await fed.result(handle)).state is JobState.SUCCEEDED
+    events = [e async for e in handle.fetch_history_events()]
+    signals = [i for i, e in enumerate(events) if e.HasField("workflow_execution_signaled_event_attributes")]
+    after = events[signals[-1] :]
+    completed_tasks = [e for e in after if e.HasField("workflow_task_completed_event_attributes")]
+    scheduled = [e for e in after if e.HasField("activity_task_scheduled_event_attributes")]
+    markers = [
+        e.marker_recorded_event_attributes
+        for e in after
+        if e.HasField("marker_recorded_event_attributes")
+        and e.marker_recorded_event_attributes.marker_name == "core_local_activity"
+    ]
+    assert len(completed_tasks) == 1, [e.event_type for e in after]
+    assert scheduled == [], [e.activity_task_scheduled_event_attributes.activity_type.name for e in scheduled]
+    assert len(markers) >= 1
+    assert events[-1].HasField("workflow_execution_completed_event_attributes")
+    assert fed.fake.calls.count(contract.MIRROR_JOB) == 1 and fed.fake.relayed == [spec.job_id]

@@ -267,8 +267,30 @@ def start_follow(
 
 async def confirm_end(ctx: Ctx, cluster: str) -> ControllerJobStatus:
     """The job as its cluster has it now (its output relayed home if it ended), to confirm an end
-    a watcher reported; not longer than peer_lost_after (a silence is then follow_job's to judge)."""
-    return await _mirror_now(ctx, cluster, timedelta(seconds=min(ctx.run.lost_after_s, 120.0)))
+    a watcher reported; not longer than peer_lost_after (a silence is then follow_job's to judge).
+    A local activity in runs with LOCAL_CONFIRM_PATCH: one read and a relay, milliseconds, in the
+    task that took the observation (an end then costs one workflow task, not three)."""
+    within = timedelta(seconds=min(ctx.run.lost_after_s, 120.0))
+    if not ctx.features.local_confirm:
+        return await _mirror_now(ctx, cluster, within)
+    return await workflow.execute_local_activity_method(
+        PeerActivities.mirror_job,
+        _mirror_input(ctx, cluster),
+        start_to_close_timeout=QUICK,
+        schedule_to_close_timeout=within,
+        retry_policy=MIRROR_RETRY,
+    )
+
+
+def _mirror_input(ctx: Ctx, cluster: str) -> MirrorInput:
+    """One read of the run's attempt on ``cluster`` (no state known: the first answer returns)."""
+    run = ctx.run
+    return MirrorInput(
+        cluster=cluster,
+        job_id=run.spec.job_id,
+        known_state=None,
+        log_key=log_key(run.spec.job_id, run.attempt),
+    )
 
 
 async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
@@ -281,15 +303,9 @@ async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
 
 async def _mirror_now(ctx: Ctx, cluster: str, within: timedelta | None) -> ControllerJobStatus:
     """One mirror_job read of the run's attempt on ``cluster``, retried for at most ``within``."""
-    run = ctx.run
     return await workflow.execute_activity_method(
         PeerActivities.mirror_job,
-        MirrorInput(
-            cluster=cluster,
-            job_id=run.spec.job_id,
-            known_state=None,
-            log_key=log_key(run.spec.job_id, run.attempt),
-        ),
+        _mirror_input(ctx, cluster),
         start_to_close_timeout=QUICK,
         schedule_to_close_timeout=within,
         retry_policy=MIRROR_RETRY,
