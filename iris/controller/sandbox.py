@@ -475,13 +475,24 @@ class UidPool:
             return None
         return UidLease(uid, fd)
 
-    def lease(self) -> UidLease | None:
-        """A uid no running job holds and no process runs as, or None when the pool is spent.
-        Candidates are tried in random order: controllers sharing a pool rarely contend."""
+    def take(self, *, skip: int | None = None) -> UidLease | None:
+        """A uid no running job holds (its flock only; ``lease`` also checks that no process runs
+        as it), or None when every uid of the pool is held. Cheap enough for the scheduler: a
+        start waits for a uid instead of failing. Candidates are tried in random order:
+        controllers sharing a pool rarely contend."""
         candidates = list(self.uids)
         random.shuffle(candidates)
         for uid in candidates:
-            held = self._try(uid)
+            if uid != skip and (held := self._try(uid)) is not None:
+                return held
+        return None
+
+    def lease(self, *, skip: int | None = None) -> UidLease | None:
+        """A uid no running job holds and no process runs as, or None when the pool is spent."""
+        candidates = list(self.uids)
+        random.shuffle(candidates)
+        for uid in candidates:
+            held = self._try(uid) if uid != skip else None
             if held is None:
                 continue
             if uid_busy(uid):  # a lost run's leftover, or a process the operator runs as it

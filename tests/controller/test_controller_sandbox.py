@@ -509,3 +509,41 @@ async def test_replicas_of_one_job_share_its_uid_and_directory(world: World) -> 
     rows = sorted(line.split()[1:] for line in text.splitlines() if line.startswith("replica "))
     assert [r[0] for r in rows] == ["0", "1"], text
     assert rows[0][1:] == rows[1][1:] and rows[0][1] != "0", text
+
+
+async def test_a_job_waits_for_a_free_uid_when_the_pool_is_spent(tmp_path: Path) -> None:
+    """A pool of 2 uids and 4 CPU slots: the third job waits PENDING for a uid instead of failing
+    (issue 31: 2,000 held jobs on a root controller's default pool of 584 uids failed 707 runs
+    WORKER_FAILED, "no free uid"), and runs once a running job's uid is free again."""
+    key_dir = tmp_path / "keys"
+    make_keys(key_dir, "home", "peer")
+    peer = cluster(
+        "peer",
+        backends=[cpu_backend(cpu_slots=4)],
+        auth=key_auth("peer", trusted_requesters=["home"], allowed_submitters=["*"]),
+        sandbox="auto",
+    )
+    # Outside the default pool, which other controllers of this host lease from meanwhile.
+    peer["sandbox_uids"] = "200000-200001"
+    cfg = write_config(tmp_path / "clusters.toml", federation(cluster("home", auth=key_auth("home")), peer))
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
+    ctl = start_controller(cfg, "peer", tmp_path / "peer", port=peer["port"], key_dir=key_dir, env=env)
+    try:
+        async with ctl.client(signer_for(cfg, "home", key_dir), timeout=30.0) as c:
+            holders = [request(["sleep", "300"], backend_id="cpu") for _ in range(2)]
+            for req in holders:
+                await c.launch(req)
+            for req in holders:
+                await poll(lambda r=req: c.status(r.job_id), lambda s: s.state is S.RUNNING, timeout=30)
+            third = request(["true"], backend_id="cpu")
+            waiting = await c.launch(third)
+            assert waiting.state is S.PENDING, waiting
+            assert (await c.status(third.job_id)).state is S.PENDING
+            # Its devices (a CPU slot) stay promised to it: the report does not offer them twice.
+            await c.terminate(holders[0].job_id)
+            ended = await wait_terminal(c, third.job_id, timeout=60)
+            assert ended.state is S.SUCCEEDED, ended
+            await c.terminate(holders[1].job_id)
+            await wait_terminal(c, holders[1].job_id, timeout=60)
+    finally:
+        ctl.stop()

@@ -27,7 +27,7 @@ from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.privileges import RunAs, chown_tree, harden_state_dir, resolve_run_as
-from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox
+from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox, uid_busy
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
 from iris.policy.preemption import RunningTask, choose_victims, is_exempt, may_preempt
@@ -77,6 +77,11 @@ class SlotPool:
             if s in self._free or not 0 <= s < self.total:
                 raise RuntimeError(f"slot {s} released twice or out of range")
             self._free.add(s)
+
+
+# How soon a queue head that found no free uid in the sandbox pool asks again (a run here that ends
+# frees one and schedules at once; this is for the pool's other controllers on the host).
+UID_RETRY_S = 1.0
 
 
 @dataclass
@@ -244,6 +249,7 @@ class ProcessBackend(Backend):
         # A queue head that waits only because lower-band runs are exempt from preemption is
         # scheduled again when the first exemption ends (no other event may come).
         self._exemption_ends: asyncio.TimerHandle | None = None
+        self._uid_retry: asyncio.TimerHandle | None = None
         # Who the jobs run as; the state dir's modes follow (docs/DESIGN.md, "Job → controller").
         # In the sandbox, each job runs as a uid of the cluster's pool and sees its own working
         # directory by a bind: run_as is the fallback of a host that cannot sandbox
@@ -346,6 +352,8 @@ class ProcessBackend(Backend):
         self._closing = True
         if self._exemption_ends is not None:
             self._exemption_ends.cancel()
+        if self._uid_retry is not None:
+            self._uid_retry.cancel()
         runs = list(self._runs.items())
         for job_id, run in runs:
             log.info("job %s: stopping because the controller shuts down", job_id)
@@ -384,9 +392,32 @@ class ProcessBackend(Backend):
                 if not self.fits(demand):
                     self._preempt_for(job, demand)
                     break
+                lease = None
+                if self.sandbox.pool is not None:
+                    # A root controller's job needs a pool uid too: with none free the head waits,
+                    # PENDING, as for devices (a start never fails for want of a uid).
+                    lease = self.sandbox.pool.take()
+                    if lease is None:
+                        self._retry_for_uid()
+                        break
                 queue.pop(0)
                 self._promised[demand.resource] -= demand.total
-                self._start(job, demand)
+                self._start(job, demand, lease)
+
+    def _retry_for_uid(self) -> None:
+        """Schedule again in UID_RETRY_S: a uid frees when any run here ends (which schedules at
+        once) or when another controller sharing the host's pool ends one (which nothing here sees)."""
+        if self._uid_retry is not None and not self._uid_retry.cancelled():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (recovery): the next event schedules
+            return
+        self._uid_retry = loop.call_later(UID_RETRY_S, self._uid_retried)
+
+    def _uid_retried(self) -> None:
+        self._uid_retry = None
+        self._schedule()
 
     def _preempt_for(self, job: JobRecord, demand: Demand) -> None:
         """Preempt the runs ``choose_victims`` picks for the waiting ``job``: SIGTERM now, SIGKILL
@@ -464,7 +495,7 @@ class ProcessBackend(Backend):
         self._exemption_ends = None
         self._schedule()
 
-    def _start(self, job: JobRecord, demand: Demand) -> None:
+    def _start(self, job: JobRecord, demand: Demand, lease: UidLease | None = None) -> None:
         # Allocation and the RUNNING record happen before any await: no other launch can interleave.
         for task in job.tasks:
             if demand.is_cpu:
@@ -477,7 +508,7 @@ class ProcessBackend(Backend):
         job.started_ms = now_ms()
         self.changed()
         self.host.save(job)
-        run = _Run(job)
+        run = _Run(job, lease=lease)
         self._runs[job.job_id] = run
         run.task = asyncio.get_running_loop().create_task(self._run(job, run, demand))
         self.host.notify(job.job_id)
@@ -574,7 +605,14 @@ class ProcessBackend(Backend):
         pool = self.sandbox.pool
         if pool is None:
             return (self.run_as if self.run_as.switch and not self.sandbox.enabled else None), None
-        run.lease = await asyncio.to_thread(pool.lease)
+        taken = run.lease
+        if taken is not None and await asyncio.to_thread(uid_busy, taken.uid):
+            # A process runs as the uid the scheduler took (a lost run's leftover, or the
+            # operator's): another one, checked, if the pool has one.
+            taken.release()
+            run.lease = await asyncio.to_thread(pool.lease, skip=taken.uid)
+        elif taken is None:
+            run.lease = await asyncio.to_thread(pool.lease)
         if run.lease is None:
             return None, (
                 ControllerJobState.WORKER_FAILED,
