@@ -375,6 +375,11 @@ class Fresh:
     state: str
 
 
+# Where the clusters' uid pools start, and how far apart (see ``configure``).
+BENCH_UIDS_FROM = 100_000
+BENCH_UIDS_PER_CLUSTER = 100_000
+
+
 def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[FederationConfig], None], int]:
     """The demo topology with room for N on the two peers (and the fresh jobs), its sandboxed
     jobs shown the gate; (the stack's configure step, H100 slots per peer)."""
@@ -387,10 +392,16 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[F
                     b.devices = {t: slots for t in b.devices}
         if args.max_per_peer is not None:
             cfg.max_per_peer_per_tick = args.max_per_peer if args.max_per_peer > 0 else None
-        for c in cfg.clusters:
+        for i, c in enumerate(cfg.clusters):
             # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
             if "sandbox_ro_paths" in type(c).model_fields:
                 c.sandbox_ro_paths = [*c.sandbox_ro_paths, str(gate.dir)]
+            # A root controller runs each job as a uid of its pool, and the default pool (584 uids,
+            # shared by the host's controllers) holds fewer jobs than N: each cluster gets a pool of
+            # its own with room for its slots, in the range systemd leaves unused (65536-524287).
+            if "sandbox_uids" in type(c).model_fields:
+                first = BENCH_UIDS_FROM + i * BENCH_UIDS_PER_CLUSTER
+                c.sandbox_uids = f"{first}-{first + max(slots, 64) + 63}"
 
     return apply, slots
 

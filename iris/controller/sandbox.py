@@ -36,7 +36,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -480,18 +480,23 @@ class UidPool:
         as it), or None when every uid of the pool is held. Cheap enough for the scheduler: a
         start waits for a uid instead of failing. Candidates are tried in random order:
         controllers sharing a pool rarely contend."""
-        candidates = list(self.uids)
-        random.shuffle(candidates)
-        for uid in candidates:
+        for uid in self._candidates():
             if uid != skip and (held := self._try(uid)) is not None:
                 return held
         return None
 
-    def lease(self, *, skip: int | None = None) -> UidLease | None:
-        """A uid no running job holds and no process runs as, or None when the pool is spent."""
+    def _candidates(self) -> Iterator[int]:
+        """The pool's uids in random order: a few random picks first (a large pool that is mostly
+        free is not shuffled whole for every start), then all of them."""
+        for _ in range(min(len(self.uids), 16)):
+            yield self.uids[random.randrange(len(self.uids))]
         candidates = list(self.uids)
         random.shuffle(candidates)
-        for uid in candidates:
+        yield from candidates
+
+    def lease(self, *, skip: int | None = None) -> UidLease | None:
+        """A uid no running job holds and no process runs as, or None when the pool is spent."""
+        for uid in self._candidates():
             held = self._try(uid) if uid != skip else None
             if held is None:
                 continue
