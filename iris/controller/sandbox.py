@@ -447,15 +447,31 @@ def kill_uid(uid: int) -> int:
 @dataclass
 class UidLease:
     """One uid held for one run: an exclusive ``flock`` on ``LEASE_DIR/<uid>``, held until
-    ``release`` (or until the controller's process ends, when the kernel drops it)."""
+    ``release`` (or until the controller's process ends, when the kernel drops it). The file says
+    ``held`` while a run holds the uid and ``clean`` once a run released it with none of its
+    processes left: a uid released clean needs no look through ``/proc`` before its next run (one
+    look costs ~0.4 s with 4,000 processes on the host). A controller that dies holding it leaves
+    ``held``, so the next lease looks."""
 
     uid: int
     fd: int
+    # The last holder released it clean (no process of its run left).
+    clean: bool = False
 
-    def release(self) -> None:
+    def release(self, *, clean: bool = False) -> None:
+        """Give the uid back; ``clean``: no process runs as it any more (its run's sandboxes, and
+        with them their PID namespaces, are gone)."""
         if self.fd >= 0:
+            if clean:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, 0)
+                    os.pwrite(self.fd, _CLEAN, 0)
             os.close(self.fd)
             self.fd = -1
+
+
+_CLEAN = b"clean"
+_HELD = b"held"
 
 
 class UidPool:
@@ -473,7 +489,14 @@ class UidPool:
         except BlockingIOError:
             os.close(fd)
             return None
-        return UidLease(uid, fd)
+        try:
+            clean = os.pread(fd, 16, 0) == _CLEAN
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _HELD, 0)
+        except OSError:
+            os.close(fd)
+            raise
+        return UidLease(uid, fd, clean=clean)
 
     def take(self, *, skip: int | None = None) -> UidLease | None:
         """A uid no running job holds (its flock only; ``lease`` also checks that no process runs
@@ -495,12 +518,13 @@ class UidPool:
         yield from candidates
 
     def lease(self, *, skip: int | None = None) -> UidLease | None:
-        """A uid no running job holds and no process runs as, or None when the pool is spent."""
+        """A uid no running job holds and no process runs as (released clean, or looked for in
+        ``/proc``), or None when the pool is spent."""
         for uid in self._candidates():
             held = self._try(uid) if uid != skip else None
             if held is None:
                 continue
-            if uid_busy(uid):  # a lost run's leftover, or a process the operator runs as it
+            if not held.clean and uid_busy(uid):  # a lost run's leftover, or the operator's
                 held.release()
                 continue
             return held

@@ -577,9 +577,9 @@ class ProcessBackend(Backend):
                 with contextlib.suppress(OSError):
                     os.chown(workdir, os.geteuid(), os.getegid())
             if run.lease is not None:
-                # Every process of the job is gone with its sandboxes' PID namespaces (and a
-                # new lease checks that no process runs as the uid anyway).
-                run.lease.release()
+                # Every process of the job is gone with its sandboxes' PID namespaces: the uid
+                # is released clean, and its next run need not look through /proc for it.
+                run.lease.release(clean=True)
             self._runs.pop(job.job_id, None)
             self._release(job, demand)
         state, code, error = outcome
@@ -606,7 +606,7 @@ class ProcessBackend(Backend):
         if pool is None:
             return (self.run_as if self.run_as.switch and not self.sandbox.enabled else None), None
         taken = run.lease
-        if taken is not None and await asyncio.to_thread(uid_busy, taken.uid):
+        if taken is not None and not taken.clean and await asyncio.to_thread(uid_busy, taken.uid):
             # A process runs as the uid the scheduler took (a lost run's leftover, or the
             # operator's): another one, checked, if the pool has one.
             taken.release()
