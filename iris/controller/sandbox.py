@@ -36,6 +36,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -426,6 +427,22 @@ def uid_busy(uid: int) -> bool:
     return False
 
 
+def uids_running(uids: range) -> set[int]:
+    """The uids of ``uids`` that some process of the host runs as (real, effective, saved or fs),
+    from one look through ``/proc``."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                ids = next((line.split()[1:] for line in f if line.startswith("Uid:")), [])
+        except OSError:
+            continue
+        found.update(u for u in map(int, ids) if u in uids)
+    return found
+
+
 def kill_uid(uid: int) -> int:
     """SIGKILL every process running as ``uid``; how many (a lost run's leftovers)."""
     killed = 0
@@ -450,13 +467,16 @@ class UidLease:
     ``release`` (or until the controller's process ends, when the kernel drops it). The file says
     ``held`` while a run holds the uid and ``clean`` once a run released it with none of its
     processes left: a uid released clean needs no look through ``/proc`` before its next run (one
-    look costs ~0.4 s with 4,000 processes on the host). A controller that dies holding it leaves
+    look costs ~0.4 s with 4,000 processes on the host), nor does one never leased since the host
+    started beyond one look a minute (``UidPool.busy``). A controller that dies holding it leaves
     ``held``, so the next lease looks."""
 
     uid: int
     fd: int
     # The last holder released it clean (no process of its run left).
     clean: bool = False
+    # No controller has leased it since the host started (the lease directory is on /run).
+    fresh: bool = False
 
     def release(self, *, clean: bool = False) -> None:
         """Give the uid back; ``clean``: no process runs as it any more (its run's sandboxes, and
@@ -470,6 +490,9 @@ class UidLease:
             self.fd = -1
 
 
+# How old a look through /proc for processes of other origin may be when a never-leased uid is
+# leased (iris itself runs nothing as a uid it has not leased).
+FOREIGN_LOOK_S = 60.0
 _CLEAN = b"clean"
 _HELD = b"held"
 
@@ -480,6 +503,8 @@ class UidPool:
     def __init__(self, uids: range, lease_dir: Path = LEASE_DIR) -> None:
         self.uids = uids
         self.lease_dir = lease_dir
+        # When /proc was last looked through, and the uids of ``uids`` processes then ran as.
+        self._foreign: tuple[float, set[int]] | None = None
 
     def _try(self, uid: int) -> UidLease | None:
         self.lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -490,13 +515,30 @@ class UidPool:
             os.close(fd)
             return None
         try:
-            clean = os.pread(fd, 16, 0) == _CLEAN
+            said = os.pread(fd, 16, 0)
             os.ftruncate(fd, 0)
             os.pwrite(fd, _HELD, 0)
         except OSError:
             os.close(fd)
             raise
-        return UidLease(uid, fd, clean=clean)
+        return UidLease(uid, fd, clean=said == _CLEAN, fresh=said == b"")
+
+    def busy(self, lease: UidLease) -> bool:
+        """Whether a process runs as the leased uid. Released clean: no. Never leased since the
+        host started: only if a process not of iris ran as it at the last look through ``/proc``
+        (``FOREIGN_LOOK_S``; iris runs nothing as a uid it has not leased). Left ``held`` by a
+        controller that died: looked for now, a lost run's leftover."""
+        if lease.clean:
+            return False
+        if lease.fresh:
+            return lease.uid in self._foreign_uids()
+        return uid_busy(lease.uid)
+
+    def _foreign_uids(self) -> set[int]:
+        now = time.monotonic()
+        if self._foreign is None or now - self._foreign[0] > FOREIGN_LOOK_S:
+            self._foreign = (now, uids_running(self.uids))
+        return self._foreign[1]
 
     def take(self, *, skip: int | None = None) -> UidLease | None:
         """A uid no running job holds (its flock only; ``lease`` also checks that no process runs
@@ -524,7 +566,7 @@ class UidPool:
             held = self._try(uid) if uid != skip else None
             if held is None:
                 continue
-            if not held.clean and uid_busy(uid):  # a lost run's leftover, or the operator's
+            if self.busy(held):  # a lost run's leftover, or the operator's
                 held.release()
                 continue
             return held

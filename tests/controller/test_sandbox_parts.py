@@ -213,7 +213,8 @@ async def test_a_uid_released_clean_skips_the_proc_look_and_one_left_held_does_n
     uid = 64020
     pool = UidPool(range(uid, uid + 1), tmp_path)
     first = pool.take()
-    assert first is not None and not first.clean  # never used: not known clean
+    assert first is not None and first.fresh and not first.clean  # never leased since boot
+    assert not pool.busy(first)
     assert (tmp_path / str(uid)).read_bytes() == b"held"
     first.release(clean=True)
     assert (tmp_path / str(uid)).read_bytes() == b"clean"
@@ -229,8 +230,24 @@ async def test_a_uid_released_clean_skips_the_proc_look_and_one_left_held_does_n
         proc.kill()
         proc.wait()
     third = pool.lease()
-    assert third is not None and not third.clean
+    assert third is not None and not third.clean and not third.fresh
     third.release(clean=True)
+
+
+@root_only
+async def test_a_never_leased_uid_a_foreign_process_runs_as_is_not_leased(tmp_path: Path) -> None:
+    """A uid no controller has leased since boot is checked against one look through /proc (a
+    minute old at most): a process of other origin running as it keeps it out of the pool."""
+    busy, free = 64030, 64031
+    proc = _as_uid(busy)
+    try:
+        await _busy(busy)
+        pool = UidPool(range(busy, free + 1), tmp_path)
+        leases = [pool.lease(), pool.lease()]
+        assert [lease.uid if lease else None for lease in leases] == [free, None]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 async def _busy(uid: int) -> None:

@@ -27,7 +27,7 @@ from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.privileges import RunAs, chown_tree, harden_state_dir, resolve_run_as
-from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox, uid_busy
+from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
 from iris.policy.preemption import RunningTask, choose_victims, is_exempt, may_preempt
@@ -606,7 +606,7 @@ class ProcessBackend(Backend):
         if pool is None:
             return (self.run_as if self.run_as.switch and not self.sandbox.enabled else None), None
         taken = run.lease
-        if taken is not None and not taken.clean and await asyncio.to_thread(uid_busy, taken.uid):
+        if taken is not None and await asyncio.to_thread(pool.busy, taken):
             # A process runs as the uid the scheduler took (a lost run's leftover, or the
             # operator's): another one, checked, if the pool has one.
             taken.release()
