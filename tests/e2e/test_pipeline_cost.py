@@ -50,10 +50,11 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     # The capacity read keeps the first workflow task free of local activities (an Update accepted
     # there); the promotion CAS stays on the queue so an operator's reset finds its answer.
     # The attempt is followed through its cluster's watcher, with no activity while it runs; one
-    # mirror_job reads its end and relays its output (docs/DESIGN.md, "The change feed"). The
-    # submitter's signature is checked first, on the queue like the capacity read (docs/DESIGN.md,
-    # "User → home").
-    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1, "mirror_job": 1}
+    # mirror_job reads its end and relays its output, a local activity in the task that took the
+    # watcher's signal (docs/DESIGN.md, "The change feed": local-end-confirm-v1). The submitter's
+    # signature is checked first, on the queue like the capacity read (docs/DESIGN.md, "User →
+    # home").
+    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1}
     assert scheduled == Counter(expected), scheduled
     markers = [
         e.marker_recorded_event_attributes
@@ -65,8 +66,8 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
         for m in markers
         if m.marker_name == "core_local_activity"
     )
-    # The enqueue and the store's HANDED_OFF and SUCCEEDED.
-    assert local_types == Counter({"enqueue_job": 1, "set_handle_state": 2}), local_types
+    # The enqueue, the store's HANDED_OFF and SUCCEEDED, and the read of the end.
+    assert local_types == Counter({"enqueue_job": 1, "set_handle_state": 2, "mirror_job": 1}), local_types
     taken = [decoded(m.details["patch-data"])[0] for m in markers if m.marker_name == "core_patch"]
     assert {"id": LOCAL_STEPS_PATCH, "deprecated": False} in taken, taken
 
