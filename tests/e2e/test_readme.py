@@ -34,6 +34,8 @@ UV = os.environ.get("UV") or shutil.which("uv")
 PROJECT_ROOT = readme.PROJECT_ROOT
 VENV_BIN = Path(sys.executable).parent
 USER = "alice"
+# Starts of iris dev tried, each on fresh ports (see ``new_user``).
+DEV_START_TRIES = 3
 
 pytestmark = [
     pytest.mark.skipif(UV is None, reason="uv is not on PATH (the README's commands need it)"),
@@ -119,10 +121,7 @@ async def new_user(tmp_path: Path) -> AsyncIterator[NewUser]:
     the payload key ring into the user's key directory under that HOME)."""
     home = tmp_path / "home"
     home.mkdir()
-    cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
-    cfg.temporal.task_queue = "iris"
     config_file = tmp_path / "dev-config.json"
-    config_file.write_text(cfg.model_dump_json())
     env = _user_env(home, config_file)
     user = NewUser(home, env, DevProcess(config_file, tmp_path / "data", user=USER))
     # The set-up: the CLI on PATH (README, "Installing iris"), as the user types it.
@@ -131,11 +130,27 @@ async def new_user(tmp_path: Path) -> AsyncIterator[NewUser]:
     # iris dev as the user runs it, its keys under that HOME (no key-dir override).
     user.dev.env = {**user.dev.env, "HOME": str(home)}
     user.dev.env.pop(USER_KEY_DIR_ENV, None)
-    user.dev.argv += [
-        "--worker-metrics", f"127.0.0.1:{devstack.free_port()}",
-        "--temporal-metrics-port", str(devstack.free_port()),
-    ]  # fmt: skip
-    await user.dev.start()
+    argv = list(user.dev.argv)
+    for attempt in range(1, DEV_START_TRIES + 1):
+        # Ports chosen now, not before the minutes of the install: the other test process may take
+        # one meanwhile (CI run Y: moto's port, taken between the choice and iris dev's start).
+        cfg = free_port_config(load_config(), f"127.0.0.1:{devstack.free_port()}")
+        cfg.temporal.task_queue = "iris"
+        config_file.write_text(cfg.model_dump_json())
+        user.dev.argv = [
+            *argv,
+            "--worker-metrics", f"127.0.0.1:{devstack.free_port()}",
+            "--temporal-metrics-port", str(devstack.free_port()),
+        ]  # fmt: skip
+        try:
+            await user.dev.start()
+            break
+        except AssertionError:
+            # Only a service that exited during start (a port taken after iris dev checked it)
+            # is tried again, on fresh ports; iris dev stopped everything it started.
+            if attempt == DEV_START_TRIES or not any("during start;" in line for line in user.dev.output):
+                raise
+            user.dev.output = []
     try:
         yield user
     finally:
