@@ -271,26 +271,7 @@ async def confirm_end(ctx: Ctx, cluster: str) -> ControllerJobStatus:
     A local activity in runs with LOCAL_CONFIRM_PATCH: one read and a relay, milliseconds, in the
     task that took the observation (an end then costs one workflow task, not three)."""
     within = timedelta(seconds=min(ctx.run.lost_after_s, 120.0))
-    if not ctx.features.local_confirm:
-        return await _mirror_now(ctx, cluster, within)
-    return await workflow.execute_local_activity_method(
-        PeerActivities.mirror_job,
-        _mirror_input(ctx, cluster),
-        start_to_close_timeout=QUICK,
-        schedule_to_close_timeout=within,
-        retry_policy=MIRROR_RETRY,
-    )
-
-
-def _mirror_input(ctx: Ctx, cluster: str) -> MirrorInput:
-    """One read of the run's attempt on ``cluster`` (no state known: the first answer returns)."""
-    run = ctx.run
-    return MirrorInput(
-        cluster=cluster,
-        job_id=run.spec.job_id,
-        known_state=None,
-        log_key=log_key(run.spec.job_id, run.attempt),
-    )
+    return await _mirror_now(ctx, cluster, within, local=ctx.features.local_confirm)
 
 
 async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
@@ -301,11 +282,22 @@ async def read_remote(ctx: Ctx, cluster: str) -> ControllerJobStatus:
     return await _mirror_now(ctx, cluster, within)
 
 
-async def _mirror_now(ctx: Ctx, cluster: str, within: timedelta | None) -> ControllerJobStatus:
-    """One mirror_job read of the run's attempt on ``cluster``, retried for at most ``within``."""
-    return await workflow.execute_activity_method(
+async def _mirror_now(
+    ctx: Ctx, cluster: str, within: timedelta | None, *, local: bool = False
+) -> ControllerJobStatus:
+    """One mirror_job read of the run's attempt on ``cluster`` (no state known: the first answer
+    returns), retried for at most ``within``; ``local``: as a local activity."""
+    run = ctx.run
+    read = MirrorInput(
+        cluster=cluster,
+        job_id=run.spec.job_id,
+        known_state=None,
+        log_key=log_key(run.spec.job_id, run.attempt),
+    )
+    execute = workflow.execute_local_activity_method if local else workflow.execute_activity_method
+    return await execute(
         PeerActivities.mirror_job,
-        _mirror_input(ctx, cluster),
+        read,
         start_to_close_timeout=QUICK,
         schedule_to_close_timeout=within,
         retry_policy=MIRROR_RETRY,
