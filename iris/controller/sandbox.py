@@ -410,27 +410,9 @@ def find_command(
 # ---- uids --------------------------------------------------------------------------------------
 
 
-def uid_busy(uid: int) -> bool:
-    """Whether any process of the host has ``uid`` as its real, effective, saved or fs uid."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if str(uid) in line.split()[1:]:
-                            return True
-                        break
-        except OSError:
-            continue
-    return False
-
-
-def uids_running(uids: range) -> set[int]:
-    """The uids of ``uids`` that some process of the host runs as (real, effective, saved or fs),
-    from one look through ``/proc``."""
-    found: set[int] = set()
+def _process_uids() -> Iterator[tuple[int, set[int]]]:
+    """Each process of the host, by pid, with its real, effective, saved and fs uids: one look
+    through ``/proc`` (a process gone meanwhile is left out)."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -439,24 +421,26 @@ def uids_running(uids: range) -> set[int]:
                 ids = next((line.split()[1:] for line in f if line.startswith("Uid:")), [])
         except OSError:
             continue
-        found.update(u for u in map(int, ids) if u in uids)
-    return found
+        yield int(name), {int(i) for i in ids}
+
+
+def uid_busy(uid: int) -> bool:
+    """Whether any process of the host has ``uid`` as its real, effective, saved or fs uid."""
+    return any(uid in ids for _, ids in _process_uids())
+
+
+def uids_running(uids: range) -> set[int]:
+    """The uids of ``uids`` that some process of the host runs as, from one look through ``/proc``."""
+    return {u for _, ids in _process_uids() for u in ids if u in uids}
 
 
 def kill_uid(uid: int) -> int:
     """SIGKILL every process running as ``uid``; how many (a lost run's leftovers)."""
     killed = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as f:
-                uids = next((line.split()[1:] for line in f if line.startswith("Uid:")), [])
-        except OSError:
-            continue
-        if str(uid) in uids:
+    for pid, ids in _process_uids():
+        if uid in ids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 killed += 1
     return killed
 
@@ -540,14 +524,29 @@ class UidPool:
             self._foreign = (now, uids_running(self.uids))
         return self._foreign[1]
 
-    def take(self, *, skip: int | None = None) -> UidLease | None:
+    def take(self) -> UidLease | None:
         """A uid no running job holds (its flock only; ``lease`` also checks that no process runs
         as it), or None when every uid of the pool is held. Cheap enough for the scheduler: a
-        start waits for a uid instead of failing. Candidates are tried in random order:
-        controllers sharing a pool rarely contend."""
+        start waits for a uid instead of failing."""
+        return self._first(checked=False)
+
+    def lease(self, *, skip: int | None = None) -> UidLease | None:
+        """A uid no running job holds and no process runs as (``busy``), other than ``skip``, or
+        None when the pool is spent."""
+        return self._first(checked=True, skip=skip)
+
+    def _first(self, *, checked: bool, skip: int | None = None) -> UidLease | None:
+        """The first uid of ``_candidates`` whose flock is free (and, ``checked``, that is not
+        ``busy``). Candidates are tried in random order: controllers sharing a pool rarely
+        contend."""
         for uid in self._candidates():
-            if uid != skip and (held := self._try(uid)) is not None:
-                return held
+            held = self._try(uid) if uid != skip else None
+            if held is None:
+                continue
+            if checked and self.busy(held):  # a lost run's leftover, or the operator's
+                held.release()
+                continue
+            return held
         return None
 
     def _candidates(self) -> Iterator[int]:
@@ -558,19 +557,6 @@ class UidPool:
         candidates = list(self.uids)
         random.shuffle(candidates)
         yield from candidates
-
-    def lease(self, *, skip: int | None = None) -> UidLease | None:
-        """A uid no running job holds and no process runs as (released clean, or looked for in
-        ``/proc``), or None when the pool is spent."""
-        for uid in self._candidates():
-            held = self._try(uid) if uid != skip else None
-            if held is None:
-                continue
-            if self.busy(held):  # a lost run's leftover, or the operator's
-                held.release()
-                continue
-            return held
-        return None
 
     def reclaim(self, uid: int) -> int:
         """After a restart: SIGKILL what still runs as a lost run's ``uid``, unless another

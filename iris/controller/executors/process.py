@@ -605,14 +605,13 @@ class ProcessBackend(Backend):
         pool = self.sandbox.pool
         if pool is None:
             return (self.run_as if self.run_as.switch and not self.sandbox.enabled else None), None
-        taken = run.lease
-        if taken is not None and await asyncio.to_thread(pool.busy, taken):
+        taken = run.lease  # the scheduler's (``_schedule``: a run with a pool starts with one)
+        if taken is None or await asyncio.to_thread(pool.busy, taken):
             # A process runs as the uid the scheduler took (a lost run's leftover, or the
             # operator's): another one, checked, if the pool has one.
-            taken.release()
-            run.lease = await asyncio.to_thread(pool.lease, skip=taken.uid)
-        elif taken is None:
-            run.lease = await asyncio.to_thread(pool.lease)
+            if taken is not None:
+                taken.release()
+            run.lease = await asyncio.to_thread(pool.lease, skip=taken.uid if taken else None)
         if run.lease is None:
             return None, (
                 ControllerJobState.WORKER_FAILED,
