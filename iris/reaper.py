@@ -45,13 +45,21 @@ class ProcInfo:
 
 
 def read_proc(pid: int) -> ProcInfo | None:
-    """One process's parent, group, session and start time from /proc; None if it is gone."""
+    """One process's parent, group, session and start time from /proc; None if it is gone.
+    Plain os calls: the watchdog reads every process's stat twice a second, for as long as its
+    caller lives (half the CPU of ``Path.read_bytes``, measured)."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
+    try:
+        raw = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     # The command name (field 2) is in parentheses and may hold spaces or parentheses itself.
-    fields = raw[raw.rindex(b")") + 2 :].split()
+    fields = raw[raw.rindex(b")") + 2 :].split(None, 20)
     if fields[0] in (b"Z", b"X"):  # a zombie has ended; only its parent's wait is left
         return None
     return ProcInfo(pid, int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
@@ -60,9 +68,9 @@ def read_proc(pid: int) -> ProcInfo | None:
 def snapshot() -> dict[int, ProcInfo]:
     """Every live process on the machine."""
     procs: dict[int, ProcInfo] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            info = read_proc(int(entry.name))
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_proc(int(name))
             if info is not None:
                 procs[info.pid] = info
     return procs

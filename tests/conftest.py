@@ -173,6 +173,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     return (yield)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last Ray user of this test process (they run together: the ``ray`` group), its Ray
+    head stops, and with it the Ray stack (pytest finishes a fixture's dependents first), with that
+    stack's teardown checks: they would otherwise idle beside the rest of the suite."""
+    result = yield
+    if nextitem is not None and uses_ray(item) and not uses_ray(nextitem):
+        for fixturedef in item.session._fixturemanager.getfixturedefs("ray_head", item) or ():
+            if fixturedef.cached_result is not None:
+                fixturedef.finish(item._request)  # type: ignore[attr-defined]
+    return result
+
+
 # A skip that says only that something is missing (PostgreSQL, chromium, Prometheus, root) would
 # hide coverage. Under CI (``CI=true``, set by .ci/run) it fails instead, saying why in one line; the
 # only skips CI accepts are the opt-in ones (their reason starts with "opt-in").

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from iris.controller.app import create_app
+    from iris.controller.bundles import private_mounts
     from iris.controller.identity import default_key_dir
     from iris.controller.privileges import harden_key_file, privilege_warning, resolve_run_as
     from iris.controller.retention import sweep_interval_s
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         key_dir = args.key_dir or default_key_dir(args.state_dir.resolve().parent)
         run_as = resolve_run_as(cluster)
         processes = any(b.kind == "process" for b in cluster.backends)
+        if processes:
+            # Before any thread starts: the jobs' workspace overlays live in a mount namespace of
+            # the controller's own, and die with it (docs/DESIGN.md, "Workspace bundles").
+            private_mounts()
         # Decided once here (the backends take the same answer); "required" without it is exit 2.
         sandbox = Sandbox.for_cluster(cluster, args.state_dir, key_dir) if processes else None
         app = create_app(config, cluster.name, args.state_dir, key_dir=key_dir, kill_grace_s=args.kill_grace)

@@ -4,7 +4,8 @@ A sweep runs once at start and then every ``IRIS_RETENTION_SWEEP_S`` seconds (de
 removes each job that finished more than the cluster's ``retention_s`` ago: its log files (every
 attempt), its work directories, its row in ``controller.db``, then the job itself from the
 executor's table, leaving a tombstone in the change feed. A job that is not terminal is never
-removed.
+removed. After the jobs, each workspace bundle that no job references any more is deleted, with its
+unpacked copy.
 
 Database and file work run in worker threads (``asyncio.to_thread``, on the store's own
 connection for retention), a bounded batch at a time found by the ``jobs_finished`` index; the
@@ -166,6 +167,12 @@ class Retention:
                 break
         if removed:
             log.info("retention: removed %d job(s) finished more than %gs ago", removed, self.retention_s)
+        # Then the bundles no job references any more (their last job's retention is over), with
+        # their unpacked copies; one asked for within retention_s is kept for the launch to come.
+        referenced = {job.bundle for job in executor.jobs.values() if job.bundle is not None}
+        deleted = await asyncio.to_thread(executor.bundles.sweep, referenced, self.retention_s)
+        if deleted:
+            log.info("retention: deleted %d bundle(s) no job references", len(deleted))
         return removed
 
     def _remove(self, expired: list[Expired], work_dirs: dict[str, list[Path]]) -> list[tuple[str, str]]:

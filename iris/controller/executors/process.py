@@ -547,12 +547,19 @@ class ProcessBackend(Backend):
         workdir = work_dir_for(self._state_dir, path)
         outcome: tuple[ControllerJobState, int | None, str | None]
         owner: RunAs | None = None  # who the working directory was given to
+        # The directory that holds the job's writes: the working directory itself, or the layer
+        # of an overlay mounted on it (BundleStore.workspace).
+        writable = workdir
         try:
             workdir.mkdir(mode=0o700)
-            unpacked = await self._unpack(job, workdir)
+            writable, unpacked = await self._unpack(job, workdir)
             if unpacked is None:
                 owner, unpacked = await self._identity(job, run)
-            if owner is not None:
+            if owner is not None and writable != workdir:
+                # Through the mount (the overlay's root is its layer's): the shared files stay the
+                # controller's, a job's uid reads them and writes into its layer.
+                os.lchown(workdir, owner.uid, owner.gid)
+            elif owner is not None:
                 await asyncio.to_thread(chown_tree, workdir, owner)
             if unpacked is not None:
                 outcome = unpacked
@@ -571,11 +578,16 @@ class ProcessBackend(Backend):
         finally:
             if run.killer is not None:
                 run.killer.cancel()
+            if writable != workdir:
+                try:
+                    await asyncio.to_thread(self.host.bundles.release, workdir)
+                except OSError as exc:
+                    log.warning("job %s: %s", job.job_id, exc)
             if owner is not None:
                 # The run is over: its directory goes back to the controller, out of reach of
                 # later jobs that run as the same user (docs/DESIGN.md, "Job → controller").
                 with contextlib.suppress(OSError):
-                    os.chown(workdir, os.geteuid(), os.getegid())
+                    os.chown(writable, os.geteuid(), os.getegid())
             if run.lease is not None:
                 # Every process of the job is gone with its sandboxes' PID namespaces: the uid
                 # is released clean, and its next run need not look through /proc for it.
@@ -626,16 +638,17 @@ class ProcessBackend(Backend):
 
     async def _unpack(
         self, job: JobRecord, workdir: Path
-    ) -> tuple[ControllerJobState, int | None, str | None] | None:
-        """Unpack the job's workspace bundle into its working directory; the job's failure if not."""
+    ) -> tuple[Path, tuple[ControllerJobState, int | None, str | None] | None]:
+        """Give the job's working directory its workspace bundle (the bundle's one copy through an
+        overlay, or a copy of its own: BundleStore.workspace); the directory that takes the job's
+        writes, and the job's failure if that failed."""
         if job.bundle is None:
-            return None
+            return workdir, None
         try:
-            await asyncio.to_thread(self.host.bundles.unpack_into, job.bundle, workdir)
+            return await asyncio.to_thread(self.host.bundles.workspace, job.bundle, workdir), None
         except (BundleError, OSError) as exc:
             log.warning("job %s: cannot unpack bundle %s: %s", job.job_id, job.bundle[:12], exc)
-            return ControllerJobState.FAILED, None, f"cannot unpack the workspace bundle: {exc}"
-        return None
+            return workdir, (ControllerJobState.FAILED, None, f"cannot unpack the workspace bundle: {exc}")
 
     async def _spawn_and_wait(
         self, job: JobRecord, run: _Run, log_fd: int, workdir: Path

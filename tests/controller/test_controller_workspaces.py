@@ -1,0 +1,210 @@
+"""One copy of a workspace bundle per controller, not one per job (docs/DESIGN.md, "Workspace
+bundles"), against a real root controller running sandboxed jobs: every job of a bundle sees the
+bundle's files through an overlay of the one unpacked copy, writes, appends and deletes land in
+that job's own layer, the next job still sees the bundle as shipped, a hostile job that finds the
+shared copy's path cannot reach it, the overlay lives in the controller's own mount namespace (the
+host never sees it), and retention deletes the bundle and its copy once no job references them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from controller_harness import (
+    Controller,
+    cluster,
+    cpu_backend,
+    federation,
+    poll,
+    read_all_logs,
+    request,
+    sandboxed,
+    start_controller,
+    wait_terminal,
+    write_config,
+)
+
+from iris.bundle import Bundle, pack
+from iris.controller.bundles import BundleStore, layer_of, mounts_under
+from iris.controller.models import ControllerJobState as S
+from iris.controller.retention import SWEEP_ENV
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="overlays are mounted by a root controller"),
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+]
+
+# What a job of the workspace does to its working directory: appends to a shipped file, writes a
+# new one, deletes a shipped file and a shipped directory, then lists what it sees.
+VANDAL = """\
+import os, shutil
+with open("data.txt", "a") as f:
+    f.write("+changed")
+open("new.txt", "w").write("mine")
+os.remove("keep.txt")
+shutil.rmtree("pkg")
+print("vandal sees", sorted(os.listdir(".")), open("data.txt").read(), flush=True)
+"""
+LOOK = """\
+import os
+print("reader sees", sorted(os.listdir(".")), open("data.txt").read(), open("pkg/mod.py").read(), flush=True)
+"""
+# A job that reads the overlay's options from its own mountinfo, where the shared copy's path is
+# written, and tries that path.
+ESCAPE = """\
+import re
+opts = open("/proc/self/mountinfo").read()
+found = re.findall(r"lowerdir=([^,\\s]+)", opts)
+print("lowerdirs", found, flush=True)
+for lower in found:
+    try:
+        with open(lower + "/data.txt", "a") as f:
+            f.write("+escaped")
+        print("ESCAPED", lower, flush=True)
+    except OSError as exc:
+        print("refused", type(exc).__name__, flush=True)
+"""
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Bundle:
+    src = tmp_path / "ws"
+    (src / "pkg").mkdir(parents=True)
+    (src / "data.txt").write_text("original")
+    (src / "keep.txt").write_text("k")
+    (src / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    bundle = pack(src)
+    assert bundle is not None
+    return bundle
+
+
+@pytest.fixture
+def ctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Controller]:
+    monkeypatch.setenv(SWEEP_ENV, "0.3")
+    peer = cluster("peer", backends=[cpu_backend(cpu_slots=4)], run_as="nobody", sandbox="auto")
+    peer["retention_s"] = 2.0
+    cfg = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
+    controller = start_controller(cfg, "peer", tmp_path / "state", port=peer["port"], env=env)
+    try:
+        yield controller
+    finally:
+        controller.stop()
+
+
+async def _run(ctl: Controller, bundle: Bundle, code: str, job_id: str) -> str:
+    req = request([sys.executable, "-c", code], job_id=job_id, backend_id="cpu").model_copy(
+        update={"bundle": bundle.ref}
+    )
+    async with ctl.client(timeout=30.0) as c:
+        await c.put_bundle(bundle.ref.sha256, bundle.data)
+        await c.launch(req)
+        status = await wait_terminal(c, job_id, timeout=60)
+        text = await read_all_logs(c, job_id)
+    assert status.state is S.SUCCEEDED, (status, text)
+    return text
+
+
+def _regular_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+
+
+async def test_jobs_of_one_bundle_share_one_copy_and_write_only_their_own_layer(
+    ctl: Controller, workspace: Bundle
+) -> None:
+    assert await sandboxed(ctl), ctl.log_text()
+    state = ctl.state_dir
+    vandal = await _run(ctl, workspace, VANDAL, "ws/vandal")
+    assert "vandal sees ['data.txt', 'new.txt'] original+changed" in vandal, vandal
+    reader = await _run(ctl, workspace, LOOK, "ws/reader")
+    assert "reader sees ['data.txt', 'keep.txt', 'pkg'] original VALUE = 1" in reader, reader
+
+    # One unpacked copy, as shipped; the jobs' directories hold only what the vandal wrote.
+    (copy,) = [p for p in (state / "bundles" / "unpacked").iterdir() if not p.name.startswith(".")]
+    assert copy.name == workspace.ref.sha256
+    assert (copy / "data.txt").read_text() == "original" and (copy / "keep.txt").exists()
+    written = sorted(p.name for p in _regular_files(state / "work"))
+    assert written == ["data.txt", "new.txt"], written
+    # Each run: an empty mount point (unmounted at its end) and its layer beside it, given back
+    # to the controller (0700, root's).
+    runs = sorted(p for p in (state / "work").iterdir() if not p.name.endswith(".layer"))
+    assert len(runs) == 2
+    for run in runs:
+        assert list(run.iterdir()) == []
+        upper = layer_of(run) / "upper"
+        assert upper.stat().st_uid == 0 and stat.S_IMODE(upper.stat().st_mode) == 0o700
+    assert mounts_under(state) == []  # nothing mounted, here or in the controller's namespace
+    assert "ESCAPED" not in await _run(ctl, workspace, ESCAPE, "ws/escape")
+    assert (copy / "data.txt").read_text() == "original"
+
+
+async def test_the_overlay_is_mounted_in_the_controllers_namespace_only(
+    ctl: Controller, workspace: Bundle
+) -> None:
+    """While a job runs, its overlay is in the controller's mount table and not in the host's;
+    once the job ends, in neither."""
+    state = ctl.state_dir
+    code = "import time; print('running', flush=True); time.sleep(60)"
+    req = request([sys.executable, "-c", code], job_id="ws/sleeper", backend_id="cpu").model_copy(
+        update={"bundle": workspace.ref}
+    )
+    controller_mounts = Path(f"/proc/{ctl.proc.pid}/mountinfo")
+
+    def overlays_of_controller() -> list[str]:
+        return [line for line in controller_mounts.read_text().splitlines() if str(state / "work") in line]
+
+    async with ctl.client(timeout=30.0) as c:
+        await c.put_bundle(workspace.ref.sha256, workspace.data)
+        await c.launch(req)
+        await poll(lambda: asyncio.to_thread(overlays_of_controller), bool, timeout=60, what="the job's overlay")
+        (line,) = overlays_of_controller()
+        assert " overlay " in line and "nosuid" in line and "nodev" in line, line
+        assert mounts_under(state) == []
+        await c.terminate("ws/sleeper")
+        await wait_terminal(c, "ws/sleeper", timeout=60)
+        await poll(lambda: asyncio.to_thread(overlays_of_controller), lambda m: not m, timeout=30, what="unmount")
+
+
+async def test_retention_deletes_the_bundle_and_its_copy_after_its_last_job(
+    ctl: Controller, workspace: Bundle
+) -> None:
+    state = ctl.state_dir
+    await _run(ctl, workspace, LOOK, "ws/once")
+    assert (state / "bundles" / f"{workspace.ref.sha256}.tar.gz").exists()
+    assert (state / "bundles" / "unpacked" / workspace.ref.sha256).is_dir()
+
+    def leftovers() -> list[str]:
+        bundles = state / "bundles"
+        return sorted(p.name for p in [*bundles.glob("*.tar.gz"), *(bundles / "unpacked").iterdir()])
+
+    # The job goes after retention_s (2 s), then its bundle, not asked for since (2 s too).
+    await poll(lambda: asyncio.to_thread(leftovers), lambda left: left == [], timeout=30, what="bundle deleted")
+    assert list((state / "work").iterdir()) == []
+
+
+def test_a_bundle_is_kept_while_referenced_or_recently_asked_for(tmp_path: Path, workspace: Bundle) -> None:
+    store = BundleStore(tmp_path / "bundles", overlays=False)
+    sha = workspace.ref.sha256
+    store.put(sha, workspace.data)
+    store.unpacked(sha)
+    old = 1_000_000_000.0
+    os.utime(store.path(sha), (old, old))
+    assert store.sweep({sha}, older_than_s=60) == []  # a job references it
+    assert store.info(sha) is not None  # asked for: in use again
+    assert store.sweep(set(), older_than_s=60) == []
+    os.utime(store.path(sha), (old, old))
+    assert store.sweep(set(), older_than_s=60) == [sha]
+    assert not store.has(sha) and not (tmp_path / "bundles" / "unpacked" / sha).exists()
+    # A copy whose bundle a crash removed first goes at the next sweep.
+    store.put(sha, workspace.data)
+    store.unpacked(sha)
+    store.path(sha).unlink()
+    assert store.sweep(set(), older_than_s=60) == []
+    assert not (tmp_path / "bundles" / "unpacked" / sha).exists()
