@@ -81,7 +81,7 @@ async def test_a_month_in_the_queue_with_changing_reasons_stays_bounded(fed: Fed
 
     assert (st.state, st.cluster) == (JobState.SUCCEEDED, PEER)
     lengths = await run_lengths(fed, spec.job_id)
-    assert len(lengths) >= 3, lengths
+    assert len(lengths) >= 2, lengths
     assert max(lengths) < EVENT_BOUND, lengths
     assert fed.fake.delivered == 1 and len(fed.fake.promotions) == 1
     # The status carried across runs: the submit and the classification are still there.
