@@ -28,6 +28,14 @@ own process with ``IRIS_TEMPORAL_METRICS`` set so the SDK serves its slot gauges
 5. sampled job histories (``--history-sample``): events, KiB, signals, and the events a held job
    added during the hold window.
 
+With ``--workspace-mib M`` (a list: ``0,6.5`` runs each N without and with one), every held job
+is submitted from one synthetic workspace of M MiB over ``--workspace-files`` files, packed and
+stored at home once, as a sweep from one checkout would be (issue 31, part 4). The run then
+reports the peers' disk during the hold (bundles, their unpacked copies, the jobs' working
+directories: how many copies of the workspace they amount to) and the launch rate, to set beside
+the same N without a workspace. ``--retention-s R`` gives the peers that retention and waits, after
+the drain, for the peers to delete every bundle and copy.
+
 Finally a *paper projection* to 100,000 running jobs over 50 peers (requests/s, bytes/s, Temporal
 signals and calls/s), from the per-peer and per-job figures measured here. Requests are counted
 generically (every line of the access log, by method and route), so the benchmark measures any
@@ -50,10 +58,12 @@ import asyncio
 import contextlib
 import math
 import os
+import random
 import re
 import shutil
 import signal
 import sqlite3
+import stat
 import subprocess
 import tempfile
 import time
@@ -88,6 +98,7 @@ from benchmarks.harness import (
 from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
 from iris import devstack
+from iris.bundle import Bundle, pack
 from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
 from iris.jobs import JobSpec, JobState, JobStatus
@@ -162,6 +173,72 @@ class Gate:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---- a sweep's workspace (issue 31, part 4) ----------------------------------------------------
+
+
+def sweep_workspace(root: Path, mib: float, files: int, seed: int = 31) -> Bundle:
+    """A checkout of ``files`` files and ``mib`` MiB: source-like text in packages, a fifth of the
+    bytes one random "weights" file; packed as the SDK packs a workdir."""
+    rng = random.Random(seed)
+    total = int(mib * 1024 * 1024)
+    binary = total // 5
+    text_each = max(1, (total - binary) // max(1, files - 1))
+    words = [f"{w}_{i}" for i, w in enumerate(("loss", "step", "grad", "batch", "model", "eval"))]
+    for i in range(files - 1):
+        path = root / f"pkg{i % 12:02d}" / f"module_{i:04d}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines, size = [], 0
+        while size < text_each:
+            line = f"def f_{rng.randrange(10**6)}({rng.choice(words)}): return {rng.random():.6f}\n"
+            lines.append(line)
+            size += len(line)
+        path.write_text("".join(lines))
+    (root / "weights.bin").write_bytes(rng.randbytes(binary))
+    bundle = pack(root)
+    if bundle is None:
+        raise BenchError("the workspace packed to nothing")
+    return bundle
+
+
+def disk_bytes(root: Path) -> tuple[int, int, int]:
+    """Under ``root``: bytes on disk of its files and of its directories (allocated blocks, each
+    inode once), and how many files."""
+    seen: set[tuple[int, int]] = set()
+    data = dirs = files = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            if stat.S_ISDIR(st.st_mode):
+                dirs += st.st_blocks * 512
+            else:
+                data += st.st_blocks * 512
+                files += 1
+    return data, dirs, files
+
+
+def peer_disk(state_dir: Path) -> dict[str, Any]:
+    """What a peer's state directory holds for bundles and working directories."""
+    bundles = state_dir / "bundles"
+    tarballs = list(bundles.glob("*.tar.gz"))
+    unpacked = [p for p in (bundles / "unpacked").glob("*") if not p.name.startswith(".")]
+    out: dict[str, Any] = {
+        "tarballs": len(tarballs),
+        "tarball_bytes": sum(p.stat().st_size for p in tarballs),
+        "unpacked_copies": len(unpacked),
+    }
+    out["unpacked_bytes"], _, out["unpacked_files"] = disk_bytes(bundles / "unpacked")
+    out["work_bytes"], out["work_dir_bytes"], out["work_files"] = disk_bytes(state_dir / "work")
+    out["work_dirs"] = sum(1 for p in (state_dir / "work").glob("*") if not p.name.endswith(".layer"))
+    out["logs_bytes"] = sum(disk_bytes(state_dir / "logs")[:2])
+    return out
 
 
 # ---- what the controllers and the worker say ---------------------------------------------------
@@ -392,6 +469,9 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[F
                     b.devices = {t: slots for t in b.devices}
         if args.max_per_peer is not None:
             cfg.max_per_peer_per_tick = args.max_per_peer if args.max_per_peer > 0 else None
+        if args.retention_s > 0:
+            for c in cfg.clusters:
+                c.retention_s = args.retention_s
         for i, c in enumerate(cfg.clusters):
             # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
             if "sandbox_ro_paths" in type(c).model_fields:
@@ -510,14 +590,32 @@ async def job_history(client: Client, job_id: str, hold: tuple[int, int]) -> Job
     return JobHistory(len(history.events), size / 1024, acts, signals, after, in_hold, hold_signals)
 
 
-async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dict[str, Any]:
+async def run_one(
+    args: argparse.Namespace, n: int, info: dict[str, Any], ws_mib: float = 0.0
+) -> dict[str, Any]:
     deadline = Deadline(args.timeout)
     root = Path(tempfile.mkdtemp(prefix="iris-bench-running-"))
     stack = BenchStack(root)
     gate = Gate()
     apply, slots = configure(args, n, gate)
-    out: dict[str, Any] = {"jobs": n, "peer_slots": slots}
-    print(f"\n[{time.strftime('%X')}] N={n}: stack in {root} ({uptime_line()})", flush=True)
+    out: dict[str, Any] = {"jobs": n, "peer_slots": slots, "workspace_mib": ws_mib}
+    bundle: Bundle | None = None
+    if ws_mib > 0:
+        bundle = sweep_workspace(root / "workspace", ws_mib, args.workspace_files)
+        out["workspace"] = {
+            "files": bundle.ref.files,
+            "bytes": bundle.ref.workspace_bytes,
+            "bundle_bytes": bundle.ref.size,
+        }
+    if args.retention_s > 0:
+        # Read by each controller at its start (docs/DESIGN.md, "Retention").
+        os.environ["IRIS_RETENTION_SWEEP_S"] = "5"
+    print(
+        f"\n[{time.strftime('%X')}] N={n}"
+        + (f", workspace {ws_mib:g} MiB / {args.workspace_files} files" if bundle else "")
+        + f": stack in {root} ({uptime_line()})",
+        flush=True,
+    )
     samples: list[Sample] = []
     sampler: asyncio.Task[None] | None = None
     try:
@@ -596,13 +694,18 @@ async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dic
         for i in range(n):
             sleep_s = args.spread_s * (i + 0.5) / n
             spec = build_spec(
-                gate.command(sleep_s), name=f"held-{i:05d}", user=USER, device_type="h100", gpu_count=1
+                gate.command(sleep_s),
+                name=f"held-{i:05d}",
+                user=USER,
+                device_type="h100",
+                gpu_count=1,
+                bundle=bundle.ref if bundle is not None else None,
             )
             specs.append(spec)
             held[spec.job_id] = sleep_s
         print(f"[{time.strftime('%X')}] ramp: submitting {n} held jobs", flush=True)
         ramp_t0 = time.monotonic()
-        results = await gather_bounded((iris.submit_spec(s) for s in specs), args.concurrency)
+        results = await gather_bounded((iris.submit_spec(s, bundle) for s in specs), args.concurrency)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise BenchError(f"{len(errors)} submissions failed, e.g. {errors[0]!r}")
@@ -645,6 +748,8 @@ async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dic
         m_hold1 = await scrape(http, metrics_url, TASK_QUEUE)
         hold_samples = samples[hold_from:] or samples[-1:]
         rss_hold = rss_mib(wpid)[0]
+        states = {c: dbs[c].parent for c in peers}
+        out["peer_disk"] = {c: await asyncio.to_thread(peer_disk, d) for c, d in states.items()}
         phase["name"] = "fresh"
         print(f"[{time.strftime('%X')}] loaded: {args.fresh} fresh jobs one at a time", flush=True)
         fresh_load = await fresh_jobs(iris, "load", args.fresh, args.fresh_timeout, deadline)
@@ -713,6 +818,22 @@ async def run_one(args: argparse.Namespace, n: int, info: dict[str, Any]) -> dic
             )
             if isinstance(h, JobHistory)
         ]
+
+        if args.retention_s > 0 and bundle is not None:
+            # Retention: the jobs go retention_s after they ended, then their bundle and its copy.
+            last_end_ms = max((fin for _, fin in finished.values() if fin is not None), default=None)
+            print(f"[{time.strftime('%X')}] waiting for retention ({args.retention_s:.0f}s)", flush=True)
+            wait_end = time.monotonic() + deadline.bound(args.retention_s + 120)
+            left = {c: await asyncio.to_thread(peer_disk, d) for c, d in states.items()}
+            while time.monotonic() < wait_end and any(
+                v["tarballs"] or v["unpacked_copies"] for v in left.values()
+            ):
+                await asyncio.sleep(2)
+                left = {c: await asyncio.to_thread(peer_disk, d) for c, d in states.items()}
+            out["after_retention"] = {
+                "after_last_end_s": (time.time() * 1000 - last_end_ms) / 1000 if last_end_ms else None,
+                "peer_disk": left,
+            }
 
         # ---- figures ----
         running_hold = [sum(s.running.values()) for s in hold_samples]
@@ -868,6 +989,25 @@ def report_one(r: dict[str, Any]) -> None:
         f"worker RSS: idle {w['idle']:.0f} MiB, N running {w['hold']:.0f} MiB, peak {w['hwm']:.0f} MiB "
         f"({w['per_running_job_kib']:.0f} KiB per running job)"
     )
+    if reached:
+        print(f"launch rate: {n / reached:.1f} jobs/s to all running")
+    ws = r.get("workspace")
+    for c, d in r.get("peer_disk", {}).items():
+        copies = (d["unpacked_bytes"] + d["work_bytes"]) / ws["bytes"] if ws else float("nan")
+        print(
+            f"peer {c} disk in the hold: {d['tarballs']} bundle(s) {d['tarball_bytes'] / MIB_F:.1f} MiB, "
+            f"{d['unpacked_copies']} unpacked ({d['unpacked_bytes'] / MIB_F:.1f} MiB, "
+            f"{d['unpacked_files']} files), "
+            f"{d['work_dirs']} working dirs: files {d['work_bytes'] / MIB_F:.1f} MiB ({d['work_files']}), "
+            f"directories {d['work_dir_bytes'] / MIB_F:.1f} MiB, "
+            f"logs {d['logs_bytes'] / MIB_F:.1f} MiB" + (f"; workspace copies: {copies:.2f}" if ws else "")
+        )
+    after = r.get("after_retention")
+    if after is not None:
+        left = {c: (d["tarballs"], d["unpacked_copies"]) for c, d in after["peer_disk"].items()}
+        print(
+            f"after retention ({after['after_last_end_s']:.0f}s after the last end): (bundles, copies) {left}"
+        )
     rows = []
     for c, v in r["controllers"].items():
         rows.append(
@@ -1046,9 +1186,22 @@ def report_projection(n: int, p: dict[str, Any]) -> None:
     print(table(["projection", "value"], rows))
 
 
+MIB_F = 1024.0 * 1024.0
+
+
 def summary(runs: list[dict[str, Any]]) -> None:
     if len(runs) < 2:
         return
+    base = {r["jobs"]: r for r in runs if not r.get("workspace_mib")}
+    for r in runs:
+        b = base.get(r["jobs"])
+        if r.get("workspace_mib") and b is not None and r["all_running_after_s"] and b["all_running_after_s"]:
+            ratio = b["all_running_after_s"] / r["all_running_after_s"]
+            print(
+                f"N={r['jobs']}: launch rate with the {r['workspace_mib']:g} MiB workspace / without: "
+                f"{ratio:.2f} ({r['jobs'] / r['all_running_after_s']:.1f} vs "
+                f"{b['jobs'] / b['all_running_after_s']:.1f} jobs/s)"
+            )
     print("\nSummary")
     rows = []
     for r in runs:
@@ -1095,10 +1248,10 @@ async def run(args: argparse.Namespace) -> int:
     info = machine()
     data: dict[str, Any] = {"machine": info, "args": vars(args), "source": source_label(), "runs": []}
     print(f"code: {source_label()}; machine: {info['nproc']} CPUs, {info['mem_gib']} GiB", flush=True)
-    for n in args.jobs:
+    for n, ws_mib in [(n, w) for n in args.jobs for w in args.workspace_mib]:
         t = time.monotonic()
         with LoadSampler() as load:
-            r = await run_one(args, n, info)
+            r = await run_one(args, n, info, ws_mib)
         r["wall_s"] = time.monotonic() - t
         r["load"] = load.summary()
         r["projection"] = projection(r, args.projection_runtime_s)
@@ -1119,6 +1272,16 @@ def _counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not a list of job counts: {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("job counts must be positive")
+    return values
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of sizes in MiB: {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError("workspace sizes must be 0 or more")
     return values
 
 
@@ -1148,6 +1311,21 @@ def main() -> None:
     p.add_argument(
         "--projection-runtime-s", type=float, default=3600, help="mean job runtime for the projection"
     )
+    p.add_argument(
+        "--workspace-mib",
+        type=_sizes,
+        default=[0.0],
+        help="submit every held job from one workspace of this many MiB (0: none); a list runs each N "
+        "with each",
+    )
+    p.add_argument("--workspace-files", type=int, default=300, help="files in that workspace")
+    p.add_argument(
+        "--retention-s",
+        type=float,
+        default=0,
+        help="the peers' retention_s; after the drain, wait for them to delete the bundle (0: the "
+        "default, no wait)",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="bound on one N's run, seconds")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stacks' temp directories")
@@ -1168,6 +1346,10 @@ def main() -> None:
         "sample_interval": 0.5,
         "print_every": 2,
         "timeout": 300,
+        # The sweep's path: one small workspace behind every job, and its deletion by retention.
+        "workspace_mib": [0.5],
+        "workspace_files": 20,
+        "retention_s": 15,
     }
     args = parse_args(p, smoke)
     run_main(lambda: run(args))

@@ -121,6 +121,11 @@ def check_running(run: Run, tmp: Path) -> None:
     assert _dict_after("peer states", out) == {"SUCCEEDED": 4}
     assert _dict_after("home states (sample)", out) == {"SUCCEEDED": 4}
     assert "PAPER PROJECTION" in out
+    # Every held job ran from one workspace: each peer's disk is reported with its copies, and after
+    # retention no peer keeps a bundle or a copy.
+    assert re.search(r"disk in the hold: .*workspace copies: \d+\.\d\d", out), out
+    left = _dict_after("(bundles, copies)", out)
+    assert left and all(v == (0, 0) for v in left.values()), left
 
 
 def check_trace(run: Run, tmp: Path) -> None:

@@ -163,13 +163,17 @@ async def test_the_overlay_is_mounted_in_the_controllers_namespace_only(
     async with ctl.client(timeout=30.0) as c:
         await c.put_bundle(workspace.ref.sha256, workspace.data)
         await c.launch(req)
-        await poll(lambda: asyncio.to_thread(overlays_of_controller), bool, timeout=60, what="the job's overlay")
+        await poll(
+            lambda: asyncio.to_thread(overlays_of_controller), bool, timeout=60, what="the job's overlay"
+        )
         (line,) = overlays_of_controller()
         assert " overlay " in line and "nosuid" in line and "nodev" in line, line
         assert mounts_under(state) == []
         await c.terminate("ws/sleeper")
         await wait_terminal(c, "ws/sleeper", timeout=60)
-        await poll(lambda: asyncio.to_thread(overlays_of_controller), lambda m: not m, timeout=30, what="unmount")
+        await poll(
+            lambda: asyncio.to_thread(overlays_of_controller), lambda m: not m, timeout=30, what="unmount"
+        )
 
 
 async def test_retention_deletes_the_bundle_and_its_copy_after_its_last_job(
@@ -185,7 +189,9 @@ async def test_retention_deletes_the_bundle_and_its_copy_after_its_last_job(
         return sorted(p.name for p in [*bundles.glob("*.tar.gz"), *(bundles / "unpacked").iterdir()])
 
     # The job goes after retention_s (2 s), then its bundle, not asked for since (2 s too).
-    await poll(lambda: asyncio.to_thread(leftovers), lambda left: left == [], timeout=30, what="bundle deleted")
+    await poll(
+        lambda: asyncio.to_thread(leftovers), lambda left: left == [], timeout=30, what="bundle deleted"
+    )
     assert list((state / "work").iterdir()) == []
 
 
