@@ -381,21 +381,31 @@ class RayBackend(Backend):
         # moment: a job becomes RUNNING, and leaves this table settled, in one step of the monitor;
         # a victim in its grace is RUNNING and still holds its devices.
         waiting: dict[str, int] = {}
+        held: dict[str, int] = {}
         for tracked in self._tracked.values():
-            if tracked.job.state is ControllerJobState.RUNNING:
-                continue
             try:
                 demand = self.demand(tracked.job.device)
             except InvalidArgument:  # recovered under a config that no longer has its device
                 continue
-            if not demand.is_cpu:
+            if demand.is_cpu:
+                continue
+            if tracked.job.state is ControllerJobState.RUNNING:
+                held[demand.resource] = held.get(demand.resource, 0) + demand.total
+            else:
                 # Promised to a job Ray has not started: not free for anyone else. (While Ray
                 # starts it, its resources may already be taken: counted twice, briefly, which
                 # under-reports and never over-commits.)
                 waiting[demand.resource] = waiting.get(demand.resource, 0) + demand.total
+        # Ray's available resources trail its jobs (each raylet reports them to the GCS on its own
+        # period): a job Ray already runs can still show as free there, more so on a busy host. What
+        # this backend's RUNNING jobs hold is never free, whatever Ray's last view says.
+        free = {
+            t: max(0, min(self._free.get(t, 0), self._totals.get(t, 0) - held.get(t, 0)) - waiting.get(t, 0))
+            for t in self.tokens
+        }
         return self.capacity_report(
             self.observed_ms,
-            free={t: max(0, self._free.get(t, 0) - waiting.get(t, 0)) for t in self.tokens},
+            free=free,
             totals={t: self._totals.get(t, 0) for t in self.tokens},
             running=(t.job for t in self._tracked.values() if t.job.state is ControllerJobState.RUNNING),
         )
