@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import shutil
@@ -86,7 +87,7 @@ def unmount(target: Path) -> bool:
     """Detach the mount on ``target``; False if nothing was mounted there."""
     if _libc().umount2(os.fsencode(target), _MNT_DETACH) != 0:
         err = ctypes.get_errno()
-        if err in (22, 2):  # EINVAL: not a mount point; ENOENT: gone
+        if err in (errno.EINVAL, errno.ENOENT):  # not a mount point, or gone
             return False
         raise OSError(err, f"cannot unmount {target}: {os.strerror(err)}")
     return True
@@ -112,13 +113,12 @@ def _open_to_jobs(root: Path) -> None:
     checks a job's access to a file it has not yet copied into its layer against the shared copy's
     own modes. The copy itself stays out of reach (``bundles/`` is the controller's, mode 0700), and
     an overlay never writes to it."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, _dirnames, filenames in os.walk(root):
         os.chmod(dirpath, 0o777)
         for name in filenames:
             path = os.path.join(dirpath, name)
             mode = os.lstat(path).st_mode & 0o777
             os.chmod(path, mode | 0o666 | (0o111 if mode & 0o100 else 0))
-        del dirnames  # walked by os.walk
 
 
 def layer_of(workdir: Path) -> Path:

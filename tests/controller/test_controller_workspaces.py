@@ -141,7 +141,9 @@ async def test_jobs_of_one_bundle_share_one_copy_and_write_only_their_own_layer(
         upper = layer_of(run) / "upper"
         assert upper.stat().st_uid == 0 and stat.S_IMODE(upper.stat().st_mode) == 0o700
     assert mounts_under(state) == []  # nothing mounted, here or in the controller's namespace
-    assert "ESCAPED" not in await _run(ctl, workspace, ESCAPE, "ws/escape")
+    # The attack is really made: the job finds the copy's path, tries it, and is refused.
+    escape = await _run(ctl, workspace, ESCAPE, "ws/escape")
+    assert str(copy) in escape and "refused" in escape and "ESCAPED" not in escape, escape
     assert (copy / "data.txt").read_text() == "original"
 
 
