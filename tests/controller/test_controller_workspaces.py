@@ -32,7 +32,7 @@ from controller_harness import (
 )
 
 from iris.bundle import Bundle, pack
-from iris.controller.bundles import BundleStore, layer_of, mounts_under
+from iris.controller.bundles import layer_of, mounts_under
 from iris.controller.models import ControllerJobState as S
 from iris.controller.retention import SWEEP_ENV
 
@@ -195,24 +195,3 @@ async def test_retention_deletes_the_bundle_and_its_copy_after_its_last_job(
         lambda: asyncio.to_thread(leftovers), lambda left: left == [], timeout=30, what="bundle deleted"
     )
     assert list((state / "work").iterdir()) == []
-
-
-def test_a_bundle_is_kept_while_referenced_or_recently_asked_for(tmp_path: Path, workspace: Bundle) -> None:
-    store = BundleStore(tmp_path / "bundles", overlays=False)
-    sha = workspace.ref.sha256
-    store.put(sha, workspace.data)
-    store.unpacked(sha)
-    old = 1_000_000_000.0
-    os.utime(store.path(sha), (old, old))
-    assert store.sweep({sha}, older_than_s=60) == []  # a job references it
-    assert store.info(sha) is not None  # asked for: in use again
-    assert store.sweep(set(), older_than_s=60) == []
-    os.utime(store.path(sha), (old, old))
-    assert store.sweep(set(), older_than_s=60) == [sha]
-    assert not store.has(sha) and not (tmp_path / "bundles" / "unpacked" / sha).exists()
-    # A copy whose bundle a crash removed first goes at the next sweep.
-    store.put(sha, workspace.data)
-    store.unpacked(sha)
-    store.path(sha).unlink()
-    assert store.sweep(set(), older_than_s=60) == []
-    assert not (tmp_path / "bundles" / "unpacked" / sha).exists()
