@@ -10,13 +10,17 @@ Regenerate after every change to workflows/ (one command, about a minute)::
     uv run python -m scripts.record_histories            # every scenario
     uv run python -m scripts.record_histories --only local rejected
 
-Then commit the files: the test suite replays each against the workflow code it ships with.
+Then commit the files: the test suite replays each against the workflow code it ships with. The
+prefixed files (``v1-*``, recorded before ``local-store-steps-v1``; ``v2-*``, before
+``job-baseline-2026-12``) keep the paths of runs begun by older code replayable; this script never
+writes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
 import shutil
@@ -91,8 +95,25 @@ def _signed(stack: Stack, spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={"signature": signature})
 
 
+# The scenario being recorded, when it reuses another's drive (its jobs then get names of their
+# own: scenarios run side by side on one stack, and a job id is taken once).
+_REUSED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("reused_by", default="")
+_STACK: contextvars.ContextVar[Stack] = contextvars.ContextVar("stack")
+
+
 async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str:
-    return await stack.iris.submit(command, name=f"hist-{name}", user=USER, **kw)
+    reused = _REUSED_BY.get()
+    name = f"hist-{name}-{reused}" if reused else f"hist-{name}"
+    return await stack.iris.submit(command, name=name.replace("_", "-"), user=USER, **kw)
+
+
+def _scratch() -> Path:
+    """A directory a job's command may leave a marker in for its next attempt: the stack's shared
+    directory, which a sandboxed job run as the controller's ``run_as`` user can write (a private
+    temp directory of the recorder's it could not, and the sandbox's own /tmp is new each time)."""
+    path = Path(tempfile.mkdtemp(prefix="iris-hist-", dir=_STACK.get().shared_dir))
+    path.chmod(0o1777)  # as the shared directory itself: the jobs' pool uids write there
+    return path
 
 
 # ---- scenarios: each drives one job to the end of its path and returns its id ----------------
@@ -296,7 +317,7 @@ async def launch_reply_lost(stack: Stack) -> str:
 async def failure_retried(stack: Stack) -> str:
     # Attempt 1 exits 3; --max-retries-failure 1 sends the job back to the queue, and attempt 2 (a
     # new nonce) succeeds.
-    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "failed-once"
+    marker = _scratch() / "failed-once"
     spec = JobSpec(
         job_id="recorder/hist-failure-retried",
         name="hist-failure-retried",
@@ -393,7 +414,7 @@ async def explained_then_run(stack: Stack) -> str:
 async def preempted_requeued(stack: Stack) -> str:
     """PREEMPT_PATCH: a batch job holding cw-rno2a's 8 chips is preempted by an interactive job
     placed there by reclaim; it is queued again (code Preempted), and its second attempt succeeds."""
-    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "preempted-once"
+    marker = _scratch() / "preempted-once"
     job_id = await _submit(
         stack,
         "preempted",
@@ -415,7 +436,7 @@ async def preempted_past_budget_requeued(stack: Stack) -> str:
     is preempted on cw-rno2a by an interactive job placed there by reclaim: it is queued again
     without spending a budget (before the patch it ended FAILED, Preempted), and its second attempt
     succeeds."""
-    marker = Path(tempfile.mkdtemp(prefix="iris-hist-")) / "preempted-past-budget"
+    marker = _scratch() / "preempted-past-budget"
     job_id = await _submit(
         stack,
         "preempted-past-budget",
@@ -649,9 +670,11 @@ async def record(names: set[str] | None, out_dir: Path) -> list[Path]:
     written: list[Path] = []
     try:
         stack = await runner.start()
+        _STACK.set(stack)
 
         async def one(scenario: Scenario) -> None:
             started = time.monotonic()
+            _REUSED_BY.set(scenario.name if scenario.name != scenario.run.__name__ else "")
             job_id = await scenario.run(stack)
             await _closed(stack, job_id)
             path = out_dir / f"{scenario.name}.json"

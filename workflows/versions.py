@@ -7,6 +7,8 @@ a run's first task, in their order, into a frozen ``Features``; the others are a
 lifecycle first needs them, each by a function of its own below (``home_ledger``,
 ``stages_bundle``, ``relays_terminal_launch``, ``asks_earlier_attempt``), and ``authenticates``
 by whichever comes first, a handler or ``read``. The SDK memoizes every answer for the run.
+Since BASELINE_PATCH each of them asks ``baseline`` first: a run begun with it writes one marker,
+not one per patch; a run begun before it replays the questions it asked.
 """
 
 from __future__ import annotations
@@ -116,6 +118,14 @@ REQUEUE_PATCH = "preemption-requeues-v1"
 # (docs/DESIGN.md, "A burst of ends"). A run that predates it reads it as before. Asked in the
 # first task of every run, as FEED_PATCH.
 LOCAL_CONFIRM_PATCH = "local-end-confirm-v1"
+# Runs with this patch take every patch above without asking each (docs/DESIGN.md, "Determinism
+# check": "One marker per run"). Each ``workflow.patched`` that answers yes writes a marker and an
+# upsert of TemporalChangeVersion, which the server indexes: 14 of each in a new job's first task,
+# and up to 5 more later, a third of a job's history events (issue 31). A run with this patch writes
+# one of each. It is asked first in every run's first task (by ``read``, or before it by a handler
+# through ``authenticates``). A run that predates it finds no marker and asks each patch as before;
+# a patch added after it is asked on its own again.
+BASELINE_PATCH = "job-baseline-2026-12"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +155,9 @@ class Features:
     requeues: bool = False
     # LOCAL_CONFIRM_PATCH: a reported end is read back from its cluster by a local activity.
     local_confirm: bool = False
+    # BASELINE_PATCH: every flag above is True without its own marker (sizing and local_steps
+    # still as for any run: only a first run classifies; a continued run keeps local_steps).
+    baseline: bool = False
 
 
 def read(
@@ -160,6 +173,8 @@ def read(
     be read failed its task). ``classifying(reasons, local_steps)`` shows a new job CLASSIFYING:
     its memo and search attributes are written between LOCAL_STEPS_PATCH's marker and
     CONTINUE_PATCH's, where every recorded first run has them."""
+    if baseline():
+        return _from_baseline(first_run, classifying, carried_local_steps)
     checked = workflow.patched(SUBMISSION_PATCH)
     fresh = first_run(checked)
     # First, so that every reason this run sets is upserted alike (see REASON_PATCH).
@@ -196,31 +211,64 @@ def read(
     )
 
 
+def _from_baseline(
+    first_run: Callable[[bool], bool], classifying: Callable[[bool, bool], None], carried_local_steps: bool
+) -> Features:
+    """A run begun with BASELINE_PATCH: every earlier patch taken, none asked (``read``)."""
+    fresh = first_run(True)
+    if fresh:
+        classifying(True, True)
+    return Features(
+        checked=True,
+        reasons=True,
+        local_steps=True if fresh else carried_local_steps,
+        can_continue=True,
+        numbered=True,
+        sizing=fresh,
+        authenticating=True,
+        feed=True,
+        preemption=True,
+        timers=True,
+        wary=True,
+        frees=True,
+        requeues=True,
+        local_confirm=True,
+        baseline=True,
+    )
+
+
 def authenticates() -> bool:
     """AUTH_PATCH, asked by whichever comes first: ``read`` or a handler (a signed cancel or replay
     can arrive in the very first task, before ``run`` starts)."""
-    return workflow.patched(AUTH_PATCH)
+    return baseline() or workflow.patched(AUTH_PATCH)
+
+
+def baseline() -> bool:
+    """BASELINE_PATCH: asked first in every run's first task (by ``read`` or ``authenticates``).
+    The SDK memoizes the answer, so a later question here writes nothing: yes for a run that
+    began with the patch, no for one that began before it (its replay found no marker)."""
+    return workflow.patched(BASELINE_PATCH)
 
 
 def home_ledger() -> bool:
     """HOME_LEDGER_PATCH: asked when a job classified LOCAL has a placement, not before."""
-    return workflow.patched(HOME_LEDGER_PATCH)
+    return baseline() or workflow.patched(HOME_LEDGER_PATCH)
 
 
 def stages_bundle() -> bool:
     """BUNDLE_PATCH: asked at each handoff of a job that has a bundle."""
-    return workflow.patched(BUNDLE_PATCH)
+    return baseline() or workflow.patched(BUNDLE_PATCH)
 
 
 def relays_terminal_launch() -> bool:
     """TERMINAL_LAUNCH_PATCH: asked when a launch answers with a job already ended."""
-    return workflow.patched(TERMINAL_LAUNCH_PATCH)
+    return baseline() or workflow.patched(TERMINAL_LAUNCH_PATCH)
 
 
 def asks_earlier_attempt() -> bool:
     """EARLIER_ATTEMPT_PATCH: asked (by a run that numbers attempts) before a later attempt's
     launch, for each earlier attempt its cluster lost."""
-    return workflow.patched(EARLIER_ATTEMPT_PATCH)
+    return baseline() or workflow.patched(EARLIER_ATTEMPT_PATCH)
 
 
 # The PlacementManager's one patch: a tick that hit the per-peer cap with jobs left waiting is

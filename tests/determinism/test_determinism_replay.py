@@ -7,7 +7,9 @@ break every run in flight at deploy time. Regenerate them (one command) when the
 
 ``v1-*.json`` were recorded before ``LOCAL_STEPS_PATCH`` (issue 9: store steps as local
 activities, upserts only on change): runs started then take the unpatched branches, and these keep
-those branches replayable for as long as the code carries them. The recorder never overwrites them.
+those branches replayable for as long as the code carries them. ``v2-*.json`` were recorded before
+``BASELINE_PATCH`` (issue 31: one marker per run), each patch asked on its own; the unprefixed ones
+with it. The recorder never overwrites a prefixed one.
 
 They were recorded without payload encryption, and replay with the worker's converter holding a
 payload key ring (docs/SECURITY.md, "Payload encryption"): payloads without the codec's encoding
@@ -32,6 +34,7 @@ from iris.temporal import data_converter
 from workflows.job import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
+    BASELINE_PATCH,
     BUNDLE_PATCH,
     EARLIER_ATTEMPT_PATCH,
     FEED_PATCH,
@@ -116,7 +119,11 @@ PATCHED_PATHS = {
     "forged_observe_confirmed_locally": LOCAL_CONFIRM_PATCH,
 }
 # Runs recorded before LOCAL_STEPS_PATCH: the unpatched path of the same scenarios.
-REQUIRED_PRE_PATCH = {f"v1-{name}" for name in REQUIRED - {"placement_manager", "peer_watch"}}
+JOB_PATHS = REQUIRED - {"placement_manager", "peer_watch"}
+REQUIRED_PRE_PATCH = {f"v1-{name}" for name in JOB_PATHS}
+# Runs recorded before BASELINE_PATCH, each patch asked on its own: every job path, and every
+# later path through its own patch. The unprefixed histories of the same paths take the baseline.
+REQUIRED_PRE_BASELINE = {f"v2-{name}" for name in JOB_PATHS | set(PATCHED_PATHS)}
 HISTORY_DIR = Path(__file__).parent / "histories"
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
 
@@ -134,6 +141,10 @@ def test_every_main_path_has_a_committed_history() -> None:
     assert present >= REQUIRED, f"missing histories {sorted(REQUIRED - present)} in {HISTORY_DIR}"
     missing = REQUIRED_PRE_PATCH - present
     assert not missing, f"missing pre-patch histories {sorted(missing)}: the unpatched path lost its check"
+    missing = REQUIRED_PRE_BASELINE - present
+    assert not missing, f"missing pre-baseline histories {sorted(missing)}: a patch's marker lost its check"
+    missing = set(PATCHED_PATHS) - present
+    assert not missing, f"missing histories {sorted(missing)}: a later path not recorded with the baseline"
 
 
 def patches(path: Path) -> set[str]:
@@ -150,16 +161,24 @@ def patches(path: Path) -> set[str]:
 def test_pre_patch_histories_take_the_unpatched_path() -> None:
     for path in HISTORY_DIR.glob("v1-*.json"):
         assert LOCAL_STEPS_PATCH not in patches(path), f"{path.name} was recorded with the patch"
-    for name in REQUIRED - {"placement_manager", "peer_watch"}:
-        assert LOCAL_STEPS_PATCH in patches(HISTORY_DIR / f"{name}.json"), f"{name} predates the patch"
+    for name in JOB_PATHS:
+        assert LOCAL_STEPS_PATCH in patches(HISTORY_DIR / f"v2-{name}.json"), f"{name} predates the patch"
 
 
 def test_later_paths_are_recorded_through_their_patches() -> None:
     for name, patch in PATCHED_PATHS.items():
-        assert patch in patches(HISTORY_DIR / f"{name}.json"), f"{name} did not take {patch}"
+        assert patch in patches(HISTORY_DIR / f"v2-{name}.json"), f"v2-{name} did not take {patch}"
     # The older histories predate both: they keep the unpatched branches replayable.
-    for name in REQUIRED - {"placement_manager", "peer_watch"}:
-        assert not patches(HISTORY_DIR / f"{name}.json") & set(PATCHED_PATHS.values()), name
+    for name in JOB_PATHS:
+        assert not patches(HISTORY_DIR / f"v2-{name}.json") & set(PATCHED_PATHS.values()), name
+
+
+def test_pre_baseline_histories_ask_each_patch_and_new_ones_only_the_baseline() -> None:
+    """BASELINE_PATCH: a run begun with it writes one patch marker, whatever path it takes."""
+    for path in HISTORY_DIR.glob("v[12]-*.json"):
+        assert BASELINE_PATCH not in patches(path), f"{path.name} was recorded with the baseline"
+    for name in JOB_PATHS | set(PATCHED_PATHS):
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH}, name
 
 
 @pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)
@@ -209,7 +228,7 @@ def test_histories_end_where_their_name_says() -> None:
         "parked_released_retaken": "SUCCEEDED",
         "parked_retake_requeued": "SUCCEEDED",
     }
-    for name, state in expected.items():
+    for name, state in [(f"{v}{n}", s) for n, s in expected.items() for v in ("", "v2-")]:
         history = load(HISTORY_DIR / f"{name}.json")
         assert workflow_type_of(history) == "JobWorkflow"
         last = history.events[-1]

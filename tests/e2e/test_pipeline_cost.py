@@ -18,7 +18,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.peers import PeerActivities
 from iris.contract import job_workflow_id
 from iris.jobs import JobState
-from workflows.job import LOCAL_STEPS_PATCH
+from workflows.job import BASELINE_PATCH
 
 H100 = {"device_type": "h100", "gpu_count": 8}
 BACKENDS = "GET /v1/backends"
@@ -68,8 +68,18 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     )
     # The enqueue, the store's HANDED_OFF and SUCCEEDED, and the read of the end.
     assert local_types == Counter({"enqueue_job": 1, "set_handle_state": 2, "mirror_job": 1}), local_types
+    # One patch marker for the whole run: every earlier patch comes through the baseline (docs/
+    # DESIGN.md, "One marker per run"), so one TemporalChangeVersion upsert, not one per patch.
     taken = [decoded(m.details["patch-data"])[0] for m in markers if m.marker_name == "core_patch"]
-    assert {"id": LOCAL_STEPS_PATCH, "deprecated": False} in taken, taken
+    assert taken == [{"id": BASELINE_PATCH, "deprecated": False}], taken
+    change_versions = [
+        e
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES
+        and "TemporalChangeVersion"
+        in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+    ]
+    assert len(change_versions) == 1
 
 
 async def test_the_state_search_attribute_is_upserted_only_when_it_changes(stack: Stack) -> None:

@@ -27,6 +27,7 @@ from workflows.job.workflow import JobWorkflow
 from workflows.versions import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
+    BASELINE_PATCH,
     BUNDLE_PATCH,
     CONTINUE_PATCH,
     EARLIER_ATTEMPT_PATCH,
@@ -48,6 +49,7 @@ from workflows.versions import (
 __all__ = (
     "ATTEMPTS_PATCH",
     "AUTH_PATCH",
+    "BASELINE_PATCH",
     "BUNDLE_PATCH",
     "CANCELLED_WHILE_PARKED",
     "CONTINUE_PATCH",

@@ -1,0 +1,70 @@
+"""One patch marker per run (BASELINE_PATCH; docs/DESIGN.md, "Determinism check": "One marker per
+run"; issue 31). Each ``workflow.patched`` that answers yes writes a marker and an upsert of
+``TemporalChangeVersion`` that the server indexes; a run begun with the baseline takes every patch
+before it through its one marker, on every path, the patches asked late included (the bundle's,
+the home ledger's). Runs begun before it replay their own markers (tests/determinism, ``v2-*``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from job_doubles import BUNDLE, Federation, cpu_spec, gpu_spec
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.client import WorkflowHandle
+
+from iris import contract
+from iris.jobs import JobState, JobStatus
+from workflows.job import BASELINE_PATCH
+
+
+async def history(handle: WorkflowHandle[Any, JobStatus]) -> list[HistoryEvent]:
+    return [e async for e in handle.fetch_history_events()]
+
+
+def patch_ids(events: list[HistoryEvent]) -> list[str]:
+    return [
+        json.loads(e.marker_recorded_event_attributes.details["patch-data"].payloads[0].data)["id"]
+        for e in events
+        if e.HasField("marker_recorded_event_attributes")
+        and e.marker_recorded_event_attributes.marker_name == "core_patch"
+    ]
+
+
+def change_version_upserts(events: list[HistoryEvent]) -> int:
+    upserts = [
+        e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields
+        for e in events
+        if e.HasField("upsert_workflow_search_attributes_event_attributes")
+    ]
+    return sum(1 for fields in upserts if "TemporalChangeVersion" in fields)
+
+
+def first_task_end(events: list[HistoryEvent]) -> int:
+    return next(i for i, e in enumerate(events) if e.HasField("workflow_task_completed_event_attributes"))
+
+
+async def test_a_handed_off_bundled_job_writes_one_patch_marker(fed: Federation) -> None:
+    handle = await fed.queued(
+        gpu_spec("baseline-bundled", fed.now_ms, bundle=BUNDLE, artifacts=["s3://ckpt/x"])
+    )
+    await fed.place(handle)
+    st = await fed.result(handle)
+    assert st.state is JobState.SUCCEEDED, st.reason
+    assert contract.STAGE_BUNDLE in fed.fake.calls  # staged: BUNDLE_PATCH taken
+    events = await history(handle)
+    assert patch_ids(events) == [BASELINE_PATCH]
+    assert change_version_upserts(events) == 1
+    # The marker stands in the first task's commands, first of them.
+    marker = next(i for i, e in enumerate(events) if e.HasField("marker_recorded_event_attributes"))
+    assert marker == first_task_end(events) + 1
+
+
+async def test_a_job_run_at_home_through_the_ledger_writes_one_patch_marker(fed: Federation) -> None:
+    handle = await fed.start(cpu_spec("baseline-home", fed.now_ms))
+    st = await fed.result(handle)
+    assert st.state is JobState.SUCCEEDED, st.reason
+    assert fed.fake.promotions, "home capacity not taken through the CAS: HOME_LEDGER_PATCH not taken"
+    events = await history(handle)
+    assert patch_ids(events) == [BASELINE_PATCH]
+    assert change_version_upserts(events) == 1
