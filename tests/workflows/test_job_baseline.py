@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from job_doubles import BUNDLE, Federation, cpu_spec, gpu_spec
+import pytest
+from job_doubles import BUNDLE, Federation, cpu_spec, gpu_spec, wait_for
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHandle
 
+import workflows.job.steps.common as common
 from iris import contract
 from iris.jobs import JobState, JobStatus
-from workflows.job import BASELINE_PATCH
+from workflows.job import BASELINE_PATCH, JobWorkflow
 
 
 async def history(handle: WorkflowHandle[Any, JobStatus]) -> list[HistoryEvent]:
@@ -68,3 +70,27 @@ async def test_a_job_run_at_home_through_the_ledger_writes_one_patch_marker(fed:
     events = await history(handle)
     assert patch_ids(events) == [BASELINE_PATCH]
     assert change_version_upserts(events) == 1
+
+
+async def test_a_continued_run_writes_one_patch_marker_too(
+    fed: Federation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run of a job asks the baseline in its first task: a continued run writes one marker
+    and one upsert of its own (before the baseline, it asked its ten first-task patches again)."""
+    # The workflows package is imported once, outside the sandbox, so the run reads this value.
+    monkeypatch.setattr(common, "CONTINUE_AFTER_EVENTS", 40)
+    spec = gpu_spec("baseline-continued", fed.now_ms)
+    first = await fed.queued(spec)
+    latest = fed.env.client.get_workflow_handle_for(JobWorkflow.run, spec.job_id)
+    for i in range(30):
+        await latest.signal(JobWorkflow.explain, f"cw-a full: {i} jobs ahead")
+        if (await latest.describe()).run_id != first.result_run_id:
+            break
+    st = await wait_for(latest, lambda s: s.reason.startswith("cw-a full"), "took a reason")
+    assert st.state is JobState.QUEUED_HANDOFF
+    continued = (await latest.describe()).run_id
+    assert continued != first.result_run_id, "the run never continued as new"
+    events = await history(fed.env.client.get_workflow_handle(spec.job_id, run_id=continued))
+    assert patch_ids(events) == [BASELINE_PATCH]
+    assert change_version_upserts(events) == 1
+    assert patch_ids(await history(first)) == [BASELINE_PATCH]
