@@ -32,7 +32,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.placement import TickOutcome
 from benchmarks.source import cleanup_snapshot
-from iris import devstack
+from iris import devstack, reaper
 from iris.config import FederationConfig, load_config
 from iris.contract import SEARCH_ATTRIBUTE_KEYS, manager_workflow_id
 from iris.controller.identity import KEY_DIR_ENV, ensure_cluster_keys
@@ -51,13 +51,24 @@ class BenchError(RuntimeError):
 
 def run_main(coro: Callable[[], Awaitable[int]]) -> None:
     """asyncio.run with SIGTERM/SIGINT cancelling the run (so every service is stopped), then
-    ``os._exit`` (the SDK runtime can crash at interpreter exit, sdk-python #300)."""
+    ``os._exit`` (the SDK runtime can crash at interpreter exit, sdk-python #300).
+
+    The first signal cancels the run; a later one (``uv run`` passes its own SIGTERM on, so a
+    ``pkill`` delivers two) is ignored, since cancelling the stop itself would leave the services
+    running. A watchdog beside the driver (iris/reaper.py) ends whatever it started if it dies
+    any other way (SIGKILL, a crash)."""
+    reaper.watch()
 
     async def guarded() -> int:
         task = asyncio.ensure_future(coro())
         loop = asyncio.get_running_loop()
+
+        def cancel_once() -> None:
+            if not task.cancelling():
+                task.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, cancel_once)
         try:
             return await task
         except asyncio.CancelledError:
