@@ -60,6 +60,7 @@ POLLING_HELPERS: dict[tuple[str, str], str] = {
     ("tests/e2e/test_exactly_once.py", "eventually"): "its check",
     ("tests/workflows/test_job_history.py", "until"): "its predicate",
     ("tests/store/test_store_races.py", "_until"): "its check",
+    ("tests/benchmarks/test_interrupted.py", "wait_for"): "its check",
     ("tests/ray/test_ray_logs.py", "wait_for"): "the file's existence",
     ("tests/e2e/test_reason_codes.py", "listed"): "a visibility query finding the job",
     ("tests/e2e/test_reason_codes.py", "shows"): "the job's reason code",
