@@ -98,7 +98,6 @@ def _signed(stack: Stack, spec: JobSpec) -> JobSpec:
 # The scenario being recorded, when it reuses another's drive (its jobs then get names of their
 # own: scenarios run side by side on one stack, and a job id is taken once).
 _REUSED_BY: contextvars.ContextVar[str] = contextvars.ContextVar("reused_by", default="")
-_STACK: contextvars.ContextVar[Stack] = contextvars.ContextVar("stack")
 
 
 async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str:
@@ -107,11 +106,11 @@ async def _submit(stack: Stack, name: str, command: list[str], **kw: Any) -> str
     return await stack.iris.submit(command, name=name.replace("_", "-"), user=USER, **kw)
 
 
-def _scratch() -> Path:
+def _scratch(stack: Stack) -> Path:
     """A directory a job's command may leave a marker in for its next attempt: the stack's shared
     directory, which a sandboxed job run as the controller's ``run_as`` user can write (a private
     temp directory of the recorder's it could not, and the sandbox's own /tmp is new each time)."""
-    path = Path(tempfile.mkdtemp(prefix="iris-hist-", dir=_STACK.get().shared_dir))
+    path = Path(tempfile.mkdtemp(prefix="iris-hist-", dir=stack.shared_dir))
     path.chmod(0o1777)  # as the shared directory itself: the jobs' pool uids write there
     return path
 
@@ -317,7 +316,7 @@ async def launch_reply_lost(stack: Stack) -> str:
 async def failure_retried(stack: Stack) -> str:
     # Attempt 1 exits 3; --max-retries-failure 1 sends the job back to the queue, and attempt 2 (a
     # new nonce) succeeds.
-    marker = _scratch() / "failed-once"
+    marker = _scratch(stack) / "failed-once"
     spec = JobSpec(
         job_id="recorder/hist-failure-retried",
         name="hist-failure-retried",
@@ -414,7 +413,7 @@ async def explained_then_run(stack: Stack) -> str:
 async def preempted_requeued(stack: Stack) -> str:
     """PREEMPT_PATCH: a batch job holding cw-rno2a's 8 chips is preempted by an interactive job
     placed there by reclaim; it is queued again (code Preempted), and its second attempt succeeds."""
-    marker = _scratch() / "preempted-once"
+    marker = _scratch(stack) / "preempted-once"
     job_id = await _submit(
         stack,
         "preempted",
@@ -436,7 +435,7 @@ async def preempted_past_budget_requeued(stack: Stack) -> str:
     is preempted on cw-rno2a by an interactive job placed there by reclaim: it is queued again
     without spending a budget (before the patch it ended FAILED, Preempted), and its second attempt
     succeeds."""
-    marker = _scratch() / "preempted-past-budget"
+    marker = _scratch(stack) / "preempted-past-budget"
     job_id = await _submit(
         stack,
         "preempted-past-budget",
@@ -670,7 +669,6 @@ async def record(names: set[str] | None, out_dir: Path) -> list[Path]:
     written: list[Path] = []
     try:
         stack = await runner.start()
-        _STACK.set(stack)
 
         async def one(scenario: Scenario) -> None:
             started = time.monotonic()

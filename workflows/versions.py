@@ -155,9 +155,6 @@ class Features:
     requeues: bool = False
     # LOCAL_CONFIRM_PATCH: a reported end is read back from its cluster by a local activity.
     local_confirm: bool = False
-    # BASELINE_PATCH: every flag above is True without its own marker (sizing and local_steps
-    # still as for any run: only a first run classifies; a continued run keeps local_steps).
-    baseline: bool = False
 
 
 def read(
@@ -214,7 +211,9 @@ def read(
 def _from_baseline(
     first_run: Callable[[bool], bool], classifying: Callable[[bool, bool], None], carried_local_steps: bool
 ) -> Features:
-    """A run begun with BASELINE_PATCH: every earlier patch taken, none asked (``read``)."""
+    """A run begun with BASELINE_PATCH: every earlier patch taken, none asked (``read``); sizing
+    and local_steps as for any run (only a first run classifies; a continued run keeps its
+    local_steps)."""
     fresh = first_run(True)
     if fresh:
         classifying(True, True)
@@ -233,7 +232,6 @@ def _from_baseline(
         frees=True,
         requeues=True,
         local_confirm=True,
-        baseline=True,
     )
 
 
