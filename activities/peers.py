@@ -33,6 +33,10 @@ from iris.store import FederationStore
 class LaunchInput(BaseModel):
     cluster: str
     request: LaunchRequest
+    # A cluster that answers that it lacks the request's bundle: True, the activity stages it and
+    # launches again (a run before LAUNCH_FIRST_PATCH, which staged first, or the launch after
+    # staging); False, it fails BUNDLE_MISSING, and the workflow stages it (BUILDING).
+    stage_missing: bool = True
 
 
 class MirrorInput(BaseModel):
@@ -207,8 +211,10 @@ class PeerActivities:
     async def launch_job(self, inp: LaunchInput) -> ControllerJobStatus:
         """Hand the job to a cluster's controller. Refusals are final; outages are retried.
 
-        A cluster that answers that it does not hold the job's bundle (e.g. its store was lost
-        since ``stage_bundle``) gets it again, and the launch is repeated once.
+        A cluster that answers that it does not hold the job's bundle did not take the job. With
+        ``stage_missing`` (e.g. its store was lost since ``stage_bundle``) it gets the bundle, and
+        the launch is repeated once; without, the answer is final (BUNDLE_MISSING): the workflow
+        stages the bundle in its own step, so that the job shows BUILDING while it is sent.
         """
         bundle = inp.request.bundle
         outcome: str | None = None  # None: cancelled, no answer to count
@@ -219,6 +225,13 @@ class PeerActivities:
                 except NotFound:
                     if bundle is None:
                         raise
+                    if not inp.stage_missing:
+                        outcome = "bundle_missing"
+                        raise ApplicationError(
+                            f"{inp.cluster} does not hold workspace bundle {bundle.short}",
+                            type=contract.BUNDLE_MISSING,
+                            non_retryable=True,
+                        ) from None
                     await self._stage(inp.cluster, bundle)
                     status = await client.launch(inp.request)
             outcome = "accepted"
@@ -227,7 +240,7 @@ class PeerActivities:
             outcome = handoff_outcome(exc)
             raise _handoff_error(inp.cluster, "the job", exc) from None
         except Exception:
-            outcome = "error"
+            outcome = outcome or "error"
             raise
         finally:
             if outcome is not None:

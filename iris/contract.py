@@ -123,6 +123,9 @@ HANDOFF_REJECTED = "HandoffRejected"
 JOB_LOST = "JobLost"
 # The job's workspace bundle is not (intact) in the home store: nothing to stage until an operator acts.
 BUNDLE_UNAVAILABLE = "BundleUnavailable"
+# The cluster answered a launch that it does not hold the job's bundle: the job was not received
+# there, and the workflow stages the bundle (BUILDING) before it launches again.
+BUNDLE_MISSING = "BundleMissing"
 # The federation store refused a handle transition (an answer, not an outage: never retried).
 STORE_CONFLICT = "StoreConflict"
 # A submission, cancel or replay whose signed statement is missing, forged, expired or not allowed.
@@ -183,4 +186,11 @@ ACTIVITY_NAMES = (
     PLAN_DRY_RUN,
 )
 WORKFLOW_TYPES = (JOB_WORKFLOW, PLACEMENT_MANAGER, LIST_PEERS, PEER_WATCH)
-ERROR_TYPES = (HANDOFF_REJECTED, JOB_LOST, BUNDLE_UNAVAILABLE, STORE_CONFLICT, UNAUTHENTICATED)
+ERROR_TYPES = (
+    HANDOFF_REJECTED,
+    JOB_LOST,
+    BUNDLE_UNAVAILABLE,
+    BUNDLE_MISSING,
+    STORE_CONFLICT,
+    UNAUTHENTICATED,
+)

@@ -55,7 +55,7 @@ MIRROR_LAG = "iris_mirror_propagation_lag_seconds"
 # The outcomes of HANDOFFS: the cluster took the job (or already had it); refused it for good (a
 # final error: HANDOFF_REJECTED); did not answer (an outage, retried); anything else (e.g. a token
 # it did not accept, an unknown cluster).
-HANDOFF_OUTCOMES = ("accepted", "refused", "unreachable", "error")
+HANDOFF_OUTCOMES = ("accepted", "refused", "unreachable", "error", "bundle_missing")
 
 # The ``device_variant`` of QUEUED_JOBS: as the IrisDeviceVariant search attribute has it
 # (iris/jobs.py, start_search_attributes): the device variant, ``cpu`` for a job without devices.

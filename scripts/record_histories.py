@@ -12,8 +12,8 @@ Regenerate after every change to workflows/ (one command, about a minute)::
 
 Then commit the files: the test suite replays each against the workflow code it ships with. The
 prefixed files (``v1-*``, recorded before ``local-store-steps-v1``; ``v2-*``, before
-``job-baseline-2026-12``) keep the paths of runs begun by older code replayable; this script never
-writes them.
+``job-baseline-2026-12``; ``v3-*``, before ``launch-before-staging-v1``) keep the paths of runs
+begun by older code replayable; this script never writes them.
 """
 
 from __future__ import annotations
@@ -287,13 +287,34 @@ async def outage_parked_cancelled(stack: Stack) -> str:
     return job_id
 
 
-async def bundled_handed_off(stack: Stack) -> str:
-    # A workspace bundle: stored at home, staged on the peer (BUILDING), then handed off.
+def _workspace(loss: str) -> Path:
     workspace = Path(tempfile.mkdtemp(prefix="iris-hist-ws-"))
+    (workspace / "train.py").write_text("import helper\nprint(helper.LOSS)\n")
+    (workspace / "helper.py").write_text(f"LOSS = {loss}\n")
+    return workspace
+
+
+async def bundled_handed_off(stack: Stack) -> str:
+    # A workspace bundle: stored at home; the launch finds the peer without it, so it is staged
+    # there (BUILDING) and the launch sent again (LAUNCH_FIRST_PATCH).
+    workspace = _workspace("2.31")
     try:
-        (workspace / "train.py").write_text("import helper\nprint(helper.LOSS)\n")
-        (workspace / "helper.py").write_text("LOSS = 2.31\n")
         job_id = await _submit(stack, "bundled", ["train.py"], workdir=workspace, **H100)
+        await _state(stack, job_id, JobState.SUCCEEDED)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+    return job_id
+
+
+async def bundle_already_held(stack: Stack) -> str:
+    # Two jobs from one workspace on one peer: the second's launch is accepted at once, with no
+    # staging and no BUILDING (LAUNCH_FIRST_PATCH). The second is recorded.
+    workspace = _workspace("2.29")
+    try:
+        pinned: dict[str, Any] = {"target_cluster": "cw-rno2a", **H100}
+        first = await _submit(stack, "bundle-first", ["train.py"], workdir=workspace, **pinned)
+        await _state(stack, first, JobState.SUCCEEDED)
+        job_id = await _submit(stack, "bundle-held", ["train.py"], workdir=workspace, **pinned)
         await _state(stack, job_id, JobState.SUCCEEDED)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
@@ -650,6 +671,9 @@ SCENARIOS = [
     # activity (followed_by_watcher.json and forged_observe_ignored.json keep the regular one).
     Scenario("end_confirmed_locally", followed_by_watcher),
     Scenario("forged_observe_confirmed_locally", forged_observe_ignored),
+    # LAUNCH_FIRST_PATCH: a bundle staged only when the launch finds it missing (bundled_handed_off
+    # above), and a launch that finds it there. v3-bundled_handed_off.json keeps staging first.
+    Scenario("bundle_already_held", bundle_already_held),
 ]
 MANAGER = "placement_manager"
 WATCHER = "peer_watch"

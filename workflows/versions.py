@@ -5,7 +5,8 @@ A patch records a marker the first time a run asks it, and a replay expects that
 run first asked: the moment of each question is part of the history. ``read`` asks the patches of
 a run's first task, in their order, into a frozen ``Features``; the others are asked where the
 lifecycle first needs them, each by a function of its own below (``home_ledger``,
-``stages_bundle``, ``relays_terminal_launch``, ``asks_earlier_attempt``), and ``authenticates``
+``stages_bundle``, ``relays_terminal_launch``, ``asks_earlier_attempt``, ``launches_first``), and
+``authenticates``
 by whichever comes first, a handler or ``read``. The SDK memoizes every answer for the run.
 Since BASELINE_PATCH each of them asks ``baseline`` first: a run begun with it writes one marker,
 not one per patch; a run begun before it replays the questions it asked.
@@ -126,6 +127,14 @@ LOCAL_CONFIRM_PATCH = "local-end-confirm-v1"
 # through ``authenticates``). A run that predates it finds no marker and asks each patch as before;
 # a patch added after it is asked on its own again.
 BASELINE_PATCH = "job-baseline-2026-12"
+# Patches after the baseline, each asked on its own.
+#
+# Runs with this patch launch a job that has a workspace bundle at once, and stage the bundle
+# (BUILDING) only when the cluster answers that it does not hold it; the launch is then sent again
+# (docs/DESIGN.md, "Workspace bundles"). A sweep's jobs after the first skip a staging activity,
+# a workflow task and two state changes each (issue 31). A run that predates it stages first.
+# Asked at a handoff of a job that has a bundle, not before.
+LAUNCH_FIRST_PATCH = "launch-before-staging-v1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +265,11 @@ def home_ledger() -> bool:
 def stages_bundle() -> bool:
     """BUNDLE_PATCH: asked at each handoff of a job that has a bundle."""
     return baseline() or workflow.patched(BUNDLE_PATCH)
+
+
+def launches_first() -> bool:
+    """LAUNCH_FIRST_PATCH: asked at a handoff of a job that has a bundle (after BUNDLE_PATCH)."""
+    return workflow.patched(LAUNCH_FIRST_PATCH)
 
 
 def relays_terminal_launch() -> bool:

@@ -9,7 +9,9 @@ break every run in flight at deploy time. Regenerate them (one command) when the
 activities, upserts only on change): runs started then take the unpatched branches, and these keep
 those branches replayable for as long as the code carries them. ``v2-*.json`` were recorded before
 ``BASELINE_PATCH`` (issue 31: one marker per run), each patch asked on its own; the unprefixed ones
-with it. The recorder never overwrites a prefixed one.
+with it. ``v3-*.json`` were recorded with the baseline before a later patch changed their path
+(``LAUNCH_FIRST_PATCH``: a bundle staged only when the launch finds it missing). The recorder never
+overwrites a prefixed one.
 
 They were recorded without payload encryption, and replay with the worker's converter holding a
 payload key ring (docs/SECURITY.md, "Payload encryption"): payloads without the codec's encoding
@@ -29,6 +31,7 @@ from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
 from cli.ops import replay_histories, workflow_type_of
+from iris import contract
 from iris.payloadcodec import Keyring
 from iris.temporal import data_converter
 from workflows.job import (
@@ -39,6 +42,7 @@ from workflows.job import (
     EARLIER_ATTEMPT_PATCH,
     FEED_PATCH,
     HOME_LEDGER_PATCH,
+    LAUNCH_FIRST_PATCH,
     LOCAL_CONFIRM_PATCH,
     LOCAL_STEPS_PATCH,
     PARK_PATCH,
@@ -124,7 +128,17 @@ REQUIRED_PRE_PATCH = {f"v1-{name}" for name in JOB_PATHS}
 # Runs recorded before BASELINE_PATCH, each patch asked on its own: every job path, and every
 # later path through its own patch. The unprefixed histories of the same paths take the baseline.
 REQUIRED_PRE_BASELINE = {f"v2-{name}" for name in JOB_PATHS | set(PATCHED_PATHS)}
+# Paths a patch after the baseline changed or added: recorded with the baseline and that patch
+# (each asked on its own). Their runs begun before it: ``v3-<name>``, where the path existed.
+AFTER_BASELINE = {
+    # Issue 31: the launch goes first; the bundle is staged (BUILDING) only when the cluster lacks
+    # it, and the launch sent again; a second job from the same workspace is launched at once.
+    "bundled_handed_off": LAUNCH_FIRST_PATCH,
+    "bundle_already_held": LAUNCH_FIRST_PATCH,
+}
+REQUIRED_BEFORE_LATER_PATCHES = {"v3-bundled_handed_off"}
 HISTORY_DIR = Path(__file__).parent / "histories"
+STAGING = (contract.STAGE_BUNDLE, contract.LAUNCH_JOB)
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
 
 
@@ -145,6 +159,8 @@ def test_every_main_path_has_a_committed_history() -> None:
     assert not missing, f"missing pre-baseline histories {sorted(missing)}: a patch's marker lost its check"
     missing = set(PATCHED_PATHS) - present
     assert not missing, f"missing histories {sorted(missing)}: a later path not recorded with the baseline"
+    missing = (set(AFTER_BASELINE) | REQUIRED_BEFORE_LATER_PATCHES) - present
+    assert not missing, f"missing histories {sorted(missing)}: a patch after the baseline lost its check"
 
 
 def patches(path: Path) -> set[str]:
@@ -178,7 +194,32 @@ def test_pre_baseline_histories_ask_each_patch_and_new_ones_only_the_baseline() 
     for path in HISTORY_DIR.glob("v[12]-*.json"):
         assert BASELINE_PATCH not in patches(path), f"{path.name} was recorded with the baseline"
     for name in JOB_PATHS | set(PATCHED_PATHS):
+        later = {AFTER_BASELINE[name]} if name in AFTER_BASELINE else set()
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH} | later, name
+
+
+def activities_of(path: Path) -> list[str]:
+    """The activity types a recorded history scheduled, in order."""
+    return [
+        event["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        for event in json.loads(path.read_text())["events"]
+        if "activityTaskScheduledEventAttributes" in event
+    ]
+
+
+def test_paths_after_the_baseline_take_their_patch_and_older_runs_do_not() -> None:
+    for name, patch in AFTER_BASELINE.items():
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH, patch}, name
+    for name in REQUIRED_BEFORE_LATER_PATCHES:
         assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH}, name
+    # Before: staged, then launched. After: launched, found missing, staged, launched again; or
+    # (the bundle already there) launched once, never staged.
+    before = activities_of(HISTORY_DIR / "v3-bundled_handed_off.json")
+    assert before.index(contract.STAGE_BUNDLE) < before.index(contract.LAUNCH_JOB)
+    after = [a for a in activities_of(HISTORY_DIR / "bundled_handed_off.json") if a in STAGING]
+    assert after == [contract.LAUNCH_JOB, contract.STAGE_BUNDLE, contract.LAUNCH_JOB]
+    held = [a for a in activities_of(HISTORY_DIR / "bundle_already_held.json") if a in STAGING]
+    assert held == [contract.LAUNCH_JOB]
 
 
 @pytest.mark.parametrize("path", committed_histories(), ids=lambda p: p.stem)

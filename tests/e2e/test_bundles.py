@@ -20,15 +20,20 @@ from pathlib import Path
 
 import pytest
 from stack import Stack, wait_until
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
 
+from activities.peers import LaunchInput, PeerActivities
 from iris import bundle as bundles
-from iris import devstack
+from iris import contract, devstack
 from iris.client import InvalidJob, build_spec
 from iris.contract import JOB_WORKFLOW
 from iris.controller.client import ControllerClient
 from iris.controller.errors import InvalidArgument, NotFound, Unauthenticated
+from iris.controller.models import LaunchRequest
 from iris.jobs import JobState, JobStatus, start_search_attributes
 from iris.objectstore import open_store
+from iris.policy.models import Band
 from iris.userauth import Action
 
 SCRIPT = """\
@@ -162,16 +167,18 @@ async def test_the_seeds_cli_examples_run_the_users_script_on_a_peer_pinned_and_
     assert output == expected_output(marker, "marin")
     assert (await stack.iris.describe(home_id)).cluster == "marin"
 
-    for jid in (job_id, pinned_id, home_id):
+    # BUILDING is a state of its own, in the job's events and in the state the Web UI shows, while
+    # the bundle is staged: for each job whose cluster did not hold it yet. The pinned job's
+    # cluster holds it already if the first job ran there: then it is launched at once.
+    first_there = status.cluster == "cw-us-east-02a"
+    for jid, staged in ((job_id, True), (pinned_id, not first_there), (home_id, True)):
         await assert_no_bundle_bytes(stack, jid, marker)
-        # BUILDING is a state of its own: in the job's events and in the state the Web UI shows.
         st = await stack.iris.describe(jid)
-        assert any(
-            e.state is JobState.BUILDING and "Staging workspace bundle" in e.message for e in st.events
-        )
-        assert "BUILDING" in await visible_states(stack, jid)
+        building = [e.message for e in st.events if e.state is JobState.BUILDING]
+        assert any("Staging workspace bundle" in m for m in building) is staged, (jid, building)
+        assert ("BUILDING" in await visible_states(stack, jid)) is staged
     described = await stack.cli("job", "describe", pinned_id)
-    assert "BUILDING" in described.stdout and "uploaded to cw-us-east-02a" in described.stdout
+    assert ("uploaded to cw-us-east-02a" in described.stdout) is not first_there, described.stdout
     assert not peer_secrets_in(dict(os.environ), stack), "the home worker's process holds a peer secret"
 
 
@@ -264,20 +271,21 @@ async def test_an_unchanged_workspace_is_stored_and_sent_once_and_an_empty_one_n
     assert spec is not None and spec.bundle is not None
     assert finals[1].spec is not None and finals[1].spec.bundle == spec.bundle  # same content, same id
     assert proxy.requests[f"PUT /v1/bundles/{spec.bundle.sha256}"] == 1
-    # Submitted together, staged together: one upload, which the other job waited for.
-    staged = sorted([e.message for e in f.events if e.state is JobState.BUILDING][-1] for f in finals)
-    assert staged == [
-        f"workspace bundle {spec.bundle.short} already on cw-us-east-02a",
-        f"workspace bundle {spec.bundle.short} uploaded to cw-us-east-02a",
-    ]
-    # Submitted again later: stored at home once, and not sent again.
+    # Submitted together: one upload. The other job was launched after it (no staging), or found
+    # the bundle missing too and waited for that upload ("already on").
+    building = [[e.message for e in f.events if e.state is JobState.BUILDING] or ["-"] for f in finals]
+    ends = sorted(messages[-1] for messages in building)
+    assert ends[1] == f"workspace bundle {spec.bundle.short} uploaded to cw-us-east-02a", ends
+    assert ends[0] in ("-", f"workspace bundle {spec.bundle.short} already on cw-us-east-02a"), ends
+    # Submitted again later: stored at home once, not sent again, not even asked about: its launch
+    # is accepted at once, with no BUILDING and no staging request (issue 31).
+    asked = proxy.requests[f"GET /v1/bundles/{spec.bundle.sha256}"]
     again = await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED)
     final = await stack.iris.wait(again, timeout_s=120)
     assert final.state is JobState.SUCCEEDED, final.reason
-    assert f"workspace bundle {spec.bundle.short} already on cw-us-east-02a" in [
-        e.message for e in final.events
-    ]
+    assert not any(e.state is JobState.BUILDING for e in final.events)
     assert proxy.requests[f"PUT /v1/bundles/{spec.bundle.sha256}"] == 1
+    assert proxy.requests[f"GET /v1/bundles/{spec.bundle.sha256}"] == asked
     assert (await stack.iris.logs(again)).data == expected_output(marker, "cw-us-east-02a")
     assert bundles.home_key(spec.bundle.sha256) in await asyncio.to_thread(bundles_at_home, stack)
 
@@ -333,20 +341,62 @@ async def test_a_handoff_whose_replies_are_lost_uploads_once_and_runs_once(
     ws, marker = make_workspace(tmp_path / "ws")
     proxy = stack.proxies["cw-us-east-02a"]
     proxy.lose_replies["PUT /v1/bundles/"] += 1
-    proxy.lose_replies["POST /v1/jobs"] += 1
+    # Both launches' replies: "no such bundle" to the first, then the acceptance after staging.
+    proxy.lose_replies["POST /v1/jobs"] += 2
     lost = proxy.lost_replies
     try:
         job_id = await stack.iris.submit(script="my_training_script.py", workdir=ws, **PINNED)
         final = await stack.iris.wait(job_id, timeout_s=120)
     finally:
         proxy.lose_replies.clear()
-    assert proxy.lost_replies == lost + 2, "both replies were lost"
+    assert proxy.lost_replies == lost + 3, "the three replies were lost"
     assert final.state is JobState.SUCCEEDED, final.reason
     assert final.spec is not None and final.spec.bundle is not None
     assert proxy.requests[f"PUT /v1/bundles/{final.spec.bundle.sha256}"] == 1
     async with ControllerClient.for_cluster(stack.config, "cw-us-east-02a") as peer:
         assert (await peer.status(job_id)).attempts == 1
     assert (await stack.iris.logs(job_id)).data == expected_output(marker, "cw-us-east-02a")
+
+
+async def test_a_launch_of_a_bundle_the_peer_lacks_makes_no_job_until_it_is_staged(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``launch_job`` against a real peer (LAUNCH_FIRST_PATCH's first send): the peer lacks the
+    bundle, so the activity fails BUNDLE_MISSING, non-retryable, having sent nothing else and
+    left no job there. The send after staging (``stage_missing``) stages and launches."""
+    ws, _ = make_workspace(tmp_path / "ws")
+    packed = bundles.pack(ws)
+    assert packed is not None
+    await stack.iris.store_bundle(packed.ref, packed)
+    cluster = "cw-rno2a"
+    proxy = stack.proxies[cluster]
+    job_id = f"tester/launch-first-{packed.ref.sha256[:8]}"
+    request = LaunchRequest(
+        job_id=job_id,
+        command=["true"],
+        band=Band.BATCH,
+        user="tester@example.com",
+        requester=stack.config.home,
+        nonce=f"{job_id}@1",
+        backend_id="h100-rno2a",
+        bundle=packed.ref,
+    )
+    activities = PeerActivities(stack.config)
+    env = ActivityEnvironment()
+    with pytest.raises(ApplicationError) as refused:
+        await env.run(
+            activities.launch_job, LaunchInput(cluster=cluster, request=request, stage_missing=False)
+        )
+    assert (refused.value.type, refused.value.non_retryable) == (contract.BUNDLE_MISSING, True)
+    assert proxy.requests[f"PUT /v1/bundles/{packed.ref.sha256}"] == 0
+    assert proxy.requests[f"GET /v1/bundles/{packed.ref.sha256}"] == 0
+    async with ControllerClient.for_cluster(stack.config, cluster) as peer:
+        with pytest.raises(NotFound):
+            await peer.status(job_id)
+        launched = await env.run(activities.launch_job, LaunchInput(cluster=cluster, request=request))
+        assert launched.nonce == request.nonce
+        assert proxy.requests[f"PUT /v1/bundles/{packed.ref.sha256}"] == 1
+        assert (await peer.status(job_id)).attempts == 1
 
 
 async def test_a_peer_restarted_between_upload_and_launch_still_runs_the_job(

@@ -211,6 +211,9 @@ class FakeFederation:
     # stage_bundle / launch_job: what each attempt does (the last repeats).
     stage: list[StageStep] = field(default_factory=lambda: [Accept()])
     launch: list[LaunchStep] = field(default_factory=lambda: [Accept()])
+    # The workspace bundles each cluster holds, (cluster, sha256): a staging that uploads adds one.
+    # A launch of a bundle its cluster lacks fails BUNDLE_MISSING unless it may stage it itself.
+    bundles: set[tuple[str, str]] = field(default_factory=set)
     # mirror_job: the remote job's next states (or errors); when exhausted, the mirror waits for a
     # change (a termination) like the real one, heartbeating.
     mirror: list[MirrorStep] = field(default_factory=lambda: [ControllerJobState.SUCCEEDED])
@@ -276,6 +279,12 @@ class FakeFederation:
 
     def release(self, name: str) -> None:
         self._holds.pop(name).set()
+
+    def release_and_hold(self, name: str) -> None:
+        """Let the calls of ``name`` waiting now go on; the next ones wait again."""
+        waiting = self._holds[name]
+        self.hold(name)
+        waiting.set()
 
     def release_all(self) -> None:
         for name in list(self._holds):
@@ -390,6 +399,7 @@ class FakeFederation:
             raise ApplicationError(step.message, type=contract.BUNDLE_UNAVAILABLE, non_retryable=True)
         if isinstance(step, Outage):
             raise ApplicationError(step.message)
+        self.bundles.add((inp.cluster, inp.bundle.sha256))
         return StageResult(uploaded=not isinstance(step, AlreadyHeld))
 
     @activity.defn(name=contract.LAUNCH_JOB)
@@ -407,7 +417,19 @@ class FakeFederation:
             raise ApplicationError(step.message)
         key = (inp.cluster, request.job_id)
         known = self.remote.get(key)
-        if known is None or known.nonce != request.nonce:
+        new_run = known is None or known.nonce != request.nonce
+        bundle = request.bundle
+        if new_run and bundle is not None and (inp.cluster, bundle.sha256) not in self.bundles:
+            if not inp.stage_missing:
+                if len(self.launch) > 0 and self.launch[0] is not step:
+                    self.launch.insert(0, step)  # not received: the scripted answer is the next launch's
+                raise ApplicationError(
+                    f"{inp.cluster} does not hold workspace bundle {bundle.short}",
+                    type=contract.BUNDLE_MISSING,
+                    non_retryable=True,
+                )
+            self.bundles.add((inp.cluster, bundle.sha256))  # the activity stages it itself
+        if new_run:
             known = RemoteStatus(
                 job_id=request.job_id,
                 state=step.state,

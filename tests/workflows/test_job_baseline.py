@@ -17,7 +17,7 @@ from temporalio.client import WorkflowHandle
 import workflows.job.steps.common as common
 from iris import contract
 from iris.jobs import JobState, JobStatus
-from workflows.job import BASELINE_PATCH, JobWorkflow
+from workflows.job import BASELINE_PATCH, LAUNCH_FIRST_PATCH, JobWorkflow
 
 
 async def history(handle: WorkflowHandle[Any, JobStatus]) -> list[HistoryEvent]:
@@ -46,7 +46,9 @@ def first_task_end(events: list[HistoryEvent]) -> int:
     return next(i for i, e in enumerate(events) if e.HasField("workflow_task_completed_event_attributes"))
 
 
-async def test_a_handed_off_bundled_job_writes_one_patch_marker(fed: Federation) -> None:
+async def test_a_handed_off_bundled_job_writes_the_baseline_and_one_later_marker(fed: Federation) -> None:
+    """The bundle's own patch (BUNDLE_PATCH) comes through the baseline; LAUNCH_FIRST_PATCH, added
+    after it, is asked on its own where the bundle is handed off."""
     handle = await fed.queued(
         gpu_spec("baseline-bundled", fed.now_ms, bundle=BUNDLE, artifacts=["s3://ckpt/x"])
     )
@@ -55,8 +57,8 @@ async def test_a_handed_off_bundled_job_writes_one_patch_marker(fed: Federation)
     assert st.state is JobState.SUCCEEDED, st.reason
     assert contract.STAGE_BUNDLE in fed.fake.calls  # staged: BUNDLE_PATCH taken
     events = await history(handle)
-    assert patch_ids(events) == [BASELINE_PATCH]
-    assert change_version_upserts(events) == 1
+    assert patch_ids(events) == [BASELINE_PATCH, LAUNCH_FIRST_PATCH]
+    assert change_version_upserts(events) == 2
     # The marker stands in the first task's commands, first of them.
     marker = next(i for i, e in enumerate(events) if e.HasField("marker_recorded_event_attributes"))
     assert marker == first_task_end(events) + 1

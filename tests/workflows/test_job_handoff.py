@@ -53,20 +53,27 @@ async def test_a_placed_job_is_promoted_staged_launched_and_mirrored_to_its_end(
     assert (st.reason, st.cluster) == (QUEUED_REASON, None)
     fake.hold(contract.STAGE_BUNDLE)
     fake.hold(contract.LAUNCH_JOB)
+    fake.launch = [Accept(ControllerJobState.PENDING)]
 
     await fed.place(handle)
+
+    # The launch goes first (LAUNCH_FIRST_PATCH); the cluster answers that it lacks the bundle.
+    await fake.reached(contract.LAUNCH_JOB)
+    st = await status(handle)
+    assert (st.state, st.reason) == (JobState.PENDING_HANDOFF, f"Awaiting acceptance by {PEER}")
+    assert fake.artifact_checks == [(PEER, ["s3://ckpt/llama"])]
+    fake.release_and_hold(contract.LAUNCH_JOB)
 
     await fake.reached(contract.STAGE_BUNDLE)
     st = await status(handle)
     assert (st.state, st.cluster, st.backend_id) == (JobState.BUILDING, PEER, PEER_BACKEND)
     assert st.reason == f"Staging workspace bundle {BUNDLE.describe()} on {PEER}"
-    assert fake.artifact_checks == [(PEER, ["s3://ckpt/llama"])]
+    assert fake.deliveries == []
     fake.release(contract.STAGE_BUNDLE)
 
     await fake.reached(contract.LAUNCH_JOB)
     st = await status(handle)
     assert (st.state, st.reason) == (JobState.PENDING_HANDOFF, f"Awaiting acceptance by {PEER}")
-    fake.launch = [Accept(ControllerJobState.PENDING)]
     fake.release(contract.LAUNCH_JOB)
 
     st = await wait_for_state(handle, JobState.PENDING)
@@ -93,9 +100,13 @@ async def test_a_placed_job_is_promoted_staged_launched_and_mirrored_to_its_end(
     assert f"workspace bundle {BUNDLE.short} uploaded to {PEER}" in messages(st)
     assert st.handoff_attempts == 1
     assert [t.state for t in st.tasks] == ["SUCCEEDED"]
-    # Delivered exactly once, with the bundle's id and the incarnation's nonce.
+    # Delivered exactly once, with the bundle's id and the incarnation's nonce: the request sent
+    # again after staging is the same one.
     assert fake.deliveries == [(PEER, f"{spec.job_id}@{spec.submit_ms}")]
-    request = fake.launch_requests[0].request
+    first, second = fake.launch_requests
+    assert first.request == second.request
+    assert (first.stage_missing, second.stage_missing) == (False, True)
+    request = first.request
     assert (request.bundle, request.backend_id, request.requester) == (BUNDLE, PEER_BACKEND, HOME)
     assert fake.relayed == [spec.job_id]
     assert fake.handle_ends == [HandleState.HANDED_OFF, HandleState.SUCCEEDED]
@@ -111,14 +122,33 @@ async def test_a_job_without_a_workspace_goes_straight_to_the_launch(fed: Federa
     assert fed.fake.stagings == [] and fed.fake.artifact_checks == []
 
 
-async def test_a_bundle_the_destination_already_holds_is_not_sent_again(fed: Federation) -> None:
-    fed.fake.stage = [AlreadyHeld()]
+async def test_a_bundle_the_destination_already_holds_is_not_staged_the_job_is_launched(
+    fed: Federation,
+) -> None:
+    """A sweep's jobs after the first: one launch, no staging step, no BUILDING (issue 31)."""
+    fake = fed.fake
+    fake.bundles.add((PEER, BUNDLE.sha256))
     handle = await fed.queued(gpu_spec("held", fed.now_ms, bundle=BUNDLE))
     await fed.place(handle)
     st = await fed.result(handle)
 
     assert st.state is JobState.SUCCEEDED
+    assert JobState.BUILDING not in states(st)
+    assert contract.STAGE_BUNDLE not in fake.calls and fake.launch_attempts == [PEER]
+    assert fake.launch_requests[0].request.bundle == BUNDLE
+    assert st.handoff_attempts == 1
+
+
+async def test_a_bundle_another_job_staged_meanwhile_is_not_sent_again(fed: Federation) -> None:
+    """The launch found the bundle missing; by the staging, another job had sent it."""
+    fed.fake.stage = [AlreadyHeld()]
+    handle = await fed.queued(gpu_spec("raced", fed.now_ms, bundle=BUNDLE))
+    await fed.place(handle)
+    st = await fed.result(handle)
+
+    assert st.state is JobState.SUCCEEDED
     assert f"workspace bundle {BUNDLE.short} already on {PEER}" in messages(st)
+    assert fed.fake.delivered == 1
 
 
 async def test_a_refused_promotion_leaves_the_job_queued_for_the_next_placement(fed: Federation) -> None:

@@ -241,7 +241,7 @@ async def test_a_launch_outage_past_the_retry_budget_parks_the_job_until_replaye
     assert fake.delivered == 1
 
 
-async def test_a_bundle_the_cluster_refuses_ends_handoff_rejected_before_any_launch(fed: Federation) -> None:
+async def test_a_bundle_the_cluster_refuses_ends_handoff_rejected_never_delivered(fed: Federation) -> None:
     fake = fed.fake
     fake.stage = [Refuse(f"cw-a refused workspace bundle {BUNDLE.short}: sha256 mismatch")]
     handle = await fed.queued(gpu_spec("bad-bundle", fed.now_ms, bundle=BUNDLE))
@@ -252,7 +252,8 @@ async def test_a_bundle_the_cluster_refuses_ends_handoff_rejected_before_any_lau
         JobState.HANDOFF_REJECTED,
         f"cw-a refused workspace bundle {BUNDLE.short}: sha256 mismatch",
     )
-    assert fake.stagings == [PEER] and fake.launch_attempts == []
+    # The one launch was answered "no such bundle": nothing was received.
+    assert fake.stagings == [PEER] and fake.launch_attempts == [PEER] and fake.deliveries == []
 
 
 async def test_a_bundle_missing_from_the_home_store_parks_the_job_until_restored(fed: Federation) -> None:
@@ -263,7 +264,7 @@ async def test_a_bundle_missing_from_the_home_store_parks_the_job_until_restored
 
     st = await wait_for_state(handle, JobState.HANDOFF_FAILED)
     assert st.reason == Unavailable().message
-    assert fake.stagings == [PEER] and fake.launch_attempts == []
+    assert fake.stagings == [PEER] and fake.launch_attempts == [PEER] and fake.deliveries == []
 
     fake.stage = [Accept()]  # the operator restores the bundle
     await handle.execute_update(JobWorkflow.replay_handoff, ReplayRequest())
@@ -283,7 +284,7 @@ async def test_a_staging_outage_past_the_retry_budget_parks_the_job(fed: Federat
     st = await wait_for_state(handle, JobState.HANDOFF_FAILED, env=fed.env, skip_s=5.0)
 
     assert st.reason == f"Cannot stage the workspace bundle on {PEER}: cw-a: connection refused"
-    assert fake.stagings == [PEER] * 6 and fake.launch_attempts == []
+    assert fake.stagings == [PEER] * 6 and fake.launch_attempts == [PEER] and fake.deliveries == []
 
 
 async def test_a_parked_job_replayed_to_the_same_cluster_keeps_its_backend(fed: Federation) -> None:

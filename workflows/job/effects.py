@@ -104,6 +104,12 @@ def refusal(exc: ActivityError) -> bool:
     )
 
 
+def bundle_missing(exc: ActivityError) -> bool:
+    """The launch's cluster answered that it lacks the job's bundle: it did not take the job."""
+    cause = exc.cause
+    return isinstance(cause, ApplicationError) and cause.type == contract.BUNDLE_MISSING
+
+
 async def fetch_reports() -> FederationView:
     """A regular activity, not a local one: the first workflow task must not hold local
     activities, since an Update (a cancel right after submit) accepted in that task can then be
@@ -224,11 +230,12 @@ def probe_schedule(ctx: Ctx) -> tuple[timedelta, timedelta]:
 
 
 def start_launch(
-    ctx: Ctx, cluster: str, request: LaunchRequest
+    ctx: Ctx, cluster: str, request: LaunchRequest, *, stage_missing: bool = True
 ) -> workflow.ActivityHandle[ControllerJobStatus]:
+    """launch_job; ``stage_missing`` False: a cluster without the bundle fails it BUNDLE_MISSING."""
     return workflow.start_activity_method(
         PeerActivities.launch_job,
-        LaunchInput(cluster=cluster, request=request),
+        LaunchInput(cluster=cluster, request=request, stage_missing=stage_missing),
         start_to_close_timeout=QUICK,
         retry_policy=handoff_retry(ctx),
     )

@@ -10,8 +10,6 @@ from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.artifacts import ArtifactActivities, ArtifactInput
-    from activities.peers import PeerActivities, StageInput
-    from iris.bundle import BundleRef
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.jobs import JobState
     from iris.policy.reasons import ReasonCode
@@ -33,9 +31,12 @@ async def step(ctx: Ctx) -> Phase:
     if run.spec.artifacts and (stopped := await check_artifacts(ctx)) is not None:
         return await settle(ctx, stopped)
     bundle = run.spec.bundle if run.spec.bundle is not None and versions.stages_bundle() else None
-    if bundle is not None and (stopped := await stage_bundle(ctx, bundle)) is not None:
+    # LAUNCH_FIRST_PATCH: the launch finds out whether the cluster holds the bundle, and the
+    # bundle is staged only if not (steps/launch.py); before it, every handoff staged first.
+    first = bundle is not None and versions.launches_first()
+    if bundle is not None and not first and (stopped := await launch.stage_bundle(ctx, bundle)) is not None:
         return await settle(ctx, stopped)
-    return await settle(ctx, await launch.launch(ctx, bundle))
+    return await settle(ctx, await launch.launch(ctx, bundle, stage_first=not first))
 
 
 def begin(ctx: Ctx) -> None:
@@ -100,21 +101,4 @@ async def check_artifacts(ctx: Ctx) -> Parking | Phase | None:
     if report.missing:
         more = f" (+{len(report.missing) - 1} more)" if len(report.missing) > 1 else ""
         return Parking(report.reasons[0] + more, code=ReasonCode.ArtifactMissing)
-    return Phase.CANCEL if run.mailbox.cancel is not None else None
-
-
-async def stage_bundle(ctx: Ctx, bundle: BundleRef) -> Parking | Phase | None:
-    """BUILDING: the workspace bundle goes to the attempt's cluster before the launch
-    (docs/DESIGN.md, "Workspace bundles"). None: staged, the handoff goes on."""
-    run = ctx.run
-    cluster = run.cluster
-    transitions.move(ctx, JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
-    stage = StageInput(cluster=cluster, bundle=bundle)
-    step = effects.Step(effects.STAGE_TIMEOUT, effects.handoff_retry(ctx))
-    try:
-        staged = await effects.handoff_step(PeerActivities.stage_bundle, stage, step)
-    except ActivityError as exc:
-        return await common.refused_or_parked(ctx, exc, f"Cannot stage the workspace bundle on {cluster}")
-    done = "uploaded to" if staged.uploaded else "already on"
-    transitions.event(ctx, JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
     return Phase.CANCEL if run.mailbox.cancel is not None else None

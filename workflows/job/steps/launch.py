@@ -1,6 +1,7 @@
-"""The launch of an attempt (docs/DESIGN.md, "Launch", "Attempts"): a signed launch under the
-job's id and the attempt's nonce; an earlier attempt its cluster lost asked after (or stopped)
-first; a launch whose answer never came reconciled with its cluster before the job parks."""
+"""The launch of an attempt (docs/DESIGN.md, "Launch", "Attempts", "Workspace bundles"): a signed
+launch under the job's id and the attempt's nonce; an earlier attempt its cluster lost asked after
+(or stopped) first; the workspace bundle staged (BUILDING) when the cluster answers that it lacks
+it; a launch whose answer never came reconciled with its cluster before the job parks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.peers import AttemptFound
+    from activities.peers import AttemptFound, PeerActivities, StageInput
     from iris.bundle import BundleRef
     from iris.controller.models import JobStatus as ControllerJobStatus
     from iris.controller.models import LaunchRequest
@@ -32,8 +33,10 @@ if TYPE_CHECKING:
     Launched = ControllerJobStatus | Parking | Adopted | Phase
 
 
-async def launch(ctx: Ctx, bundle: BundleRef | None) -> Launched:
-    """The handoff: from the workflow task that schedules it on, the job counts as delivered."""
+async def launch(ctx: Ctx, bundle: BundleRef | None, *, stage_first: bool = True) -> Launched:
+    """The handoff: from the workflow task that schedules it on, the job counts as delivered.
+    ``stage_first`` False (LAUNCH_FIRST_PATCH): ``bundle`` was not staged; a cluster that lacks
+    it says so, and it is staged before the launch is sent again."""
     run = ctx.run
     if ctx.verifying and not run.delivered:
         await common.verdicts(ctx)
@@ -51,12 +54,60 @@ async def launch(ctx: Ctx, bundle: BundleRef | None) -> Launched:
     if isinstance(request, Parking):
         return request
     try:
-        # Shielded like the enqueue: a Temporal cancel lets the launch finish, then
-        # terminates on the peer (a swallowed cancel would let the job run on).
-        ctx.launch_op = effects.start_launch(ctx, cluster, request)
-        return await asyncio.shield(ctx.launch_op)
+        return await send(ctx, request, stage_missing=stage_first)
+    except ActivityError as exc:
+        if bundle is not None and effects.bundle_missing(exc):
+            return await stage_and_resend(ctx, bundle, request)
+        return await unanswered(ctx, exc)
+
+
+async def send(ctx: Ctx, request: LaunchRequest, *, stage_missing: bool = True) -> ControllerJobStatus:
+    """launch_job, shielded like the enqueue: a Temporal cancel lets the launch finish, then
+    terminates on the peer (a swallowed cancel would let the job run on)."""
+    ctx.launch_op = effects.start_launch(ctx, ctx.run.cluster, request, stage_missing=stage_missing)
+    return await asyncio.shield(ctx.launch_op)
+
+
+async def stage_and_resend(ctx: Ctx, bundle: BundleRef, request: LaunchRequest) -> Launched:
+    """The cluster answered that it lacks the bundle, so it did not take the job: not delivered
+    until the launch is sent again. The bundle is staged (BUILDING), then the same request (same
+    nonce) is sent; a cluster that lost the bundle again meanwhile gets it from the launch itself."""
+    run = ctx.run
+    run.delivered = False
+    run.status.handoff_attempts -= 1  # counted again when it is sent again
+    if run.mailbox.cancel is not None:
+        return Phase.CANCEL
+    stopped = await stage_bundle(ctx, bundle)
+    if stopped is not None:
+        return stopped
+    # A cancel being verified is honoured before the job is sent (as before the first send).
+    await common.verdicts(ctx)
+    if run.mailbox.cancel is not None:
+        return Phase.CANCEL
+    transitions.move(ctx, JobState.PENDING_HANDOFF, f"Awaiting acceptance by {run.cluster}")
+    run.delivered = True
+    run.status.handoff_attempts += 1
+    try:
+        return await send(ctx, request)
     except ActivityError as exc:
         return await unanswered(ctx, exc)
+
+
+async def stage_bundle(ctx: Ctx, bundle: BundleRef) -> Parking | Phase | None:
+    """BUILDING: the workspace bundle goes to the attempt's cluster before the launch
+    (docs/DESIGN.md, "Workspace bundles"). None: staged, the handoff goes on."""
+    run = ctx.run
+    cluster = run.cluster
+    transitions.move(ctx, JobState.BUILDING, f"Staging workspace bundle {bundle.describe()} on {cluster}")
+    stage = StageInput(cluster=cluster, bundle=bundle)
+    step = effects.Step(effects.STAGE_TIMEOUT, effects.handoff_retry(ctx))
+    try:
+        staged = await effects.handoff_step(PeerActivities.stage_bundle, stage, step)
+    except ActivityError as exc:
+        return await common.refused_or_parked(ctx, exc, f"Cannot stage the workspace bundle on {cluster}")
+    done = "uploaded to" if staged.uploaded else "already on"
+    transitions.event(ctx, JobState.BUILDING, f"workspace bundle {bundle.short} {done} {cluster}")
+    return Phase.CANCEL if run.mailbox.cancel is not None else None
 
 
 def launch_request(ctx: Ctx, bundle: BundleRef | None) -> LaunchRequest | Parking:
