@@ -472,6 +472,11 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[F
         if args.retention_s > 0:
             for c in cfg.clusters:
                 c.retention_s = args.retention_s
+        if args.cached_workflows:
+            # A revision before `[worker]` keeps its own cache size (4,096).
+            if "worker" not in type(cfg).model_fields:
+                raise SystemExit("--cached-workflows: the measured revision has no [worker] settings")
+            cfg.worker.max_cached_workflows = args.cached_workflows
         for i, c in enumerate(cfg.clusters):
             # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
             if "sandbox_ro_paths" in type(c).model_fields:
@@ -1244,7 +1249,43 @@ def summary(runs: list[dict[str, Any]]) -> None:
     )
 
 
+# Processes a held job keeps on its peer's host: bwrap, bwrap's init in the job's pid namespace,
+# and the job's own (`sh`, then `sleep`).
+PIDS_PER_JOB = 3
+
+
+def host_tasks() -> int:
+    """Every task (process or thread) the host runs now: each holds a pid."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                count += len(os.listdir(f"/proc/{pid}/task"))
+    return count
+
+
+def pid_shortfall(n: int, pid_max_path: Path = Path("/proc/sys/kernel/pid_max")) -> str | None:
+    """Why this host cannot hold ``n`` jobs' processes at once (None if it can): each needs
+    ``PIDS_PER_JOB`` pids, beside every task the host runs already."""
+    try:
+        pid_max = int(pid_max_path.read_text())
+    except (OSError, ValueError):
+        return None
+    tasks = host_tasks()
+    needed = tasks + PIDS_PER_JOB * n + 1000
+    if needed <= pid_max:
+        return None
+    return (
+        f"{n} running jobs need about {PIDS_PER_JOB * n} pids beside the host's {tasks} tasks, and "
+        f"kernel.pid_max is {pid_max}: raise it first (sysctl -w kernel.pid_max={max(4 * needed, 65536)})"
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
+    short = pid_shortfall(max(args.jobs))
+    if short is not None:
+        print(f"error: {short}", file=sys.stderr)
+        return 2
     info = machine()
     data: dict[str, Any] = {"machine": info, "args": vars(args), "source": source_label(), "runs": []}
     print(f"code: {source_label()}; machine: {info['nproc']} CPUs, {info['mem_gib']} GiB", flush=True)
@@ -1285,6 +1326,16 @@ def _sizes(text: str) -> list[float]:
     return values
 
 
+def _cache_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of workflows: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("the cache holds at least 1 workflow")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--jobs", type=_counts, default=[300], help="held jobs, e.g. 300,1000,2000 (a stack each)")
@@ -1292,6 +1343,12 @@ def main() -> None:
         "--peer-slots", type=int, default=0, help="H100 slots per peer (default: enough for N over 2 peers)"
     )
     p.add_argument("--max-per-peer", type=int, default=None, help="placements per peer per tick (0 = no cap)")
+    p.add_argument(
+        "--cached-workflows",
+        type=_cache_size,
+        default=0,
+        help="the worker's [worker] max_cached_workflows (default: the config's, 4,096)",
+    )
     p.add_argument("--concurrency", type=int, default=50, help="submissions in flight in the ramp")
     p.add_argument("--idle-s", type=float, default=30, help="idle measurement window")
     p.add_argument("--hold-s", type=float, default=60, help="measurement window with N running")

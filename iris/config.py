@@ -469,9 +469,21 @@ class BackfillConfig(BaseModel):
         return Backfill(enabled=self.enabled, default_limit_ms=limits)
 
 
+class WorkerConfig(BaseModel):
+    """``[worker]``: what one ``iris worker`` process holds (docs/DESIGN.md, "Worker memory")."""
+
+    # Job workflows kept in memory between their tasks (the sticky cache). A running job's
+    # workflow sits idle until its cluster's watcher signals it; one evicted from the cache is
+    # replayed from its history when that signal comes (a running job's history is short,
+    # continue-as-new bounds it). The worker's memory grows with this, not with the jobs running.
+    max_cached_workflows: int = Field(default=4096, ge=1, le=1_000_000)
+
+
 class FederationConfig(BaseModel):
     home: str
     temporal: TemporalConfig = TemporalConfig()
+    # The worker process's own limits (`[worker]`).
+    worker: WorkerConfig = WorkerConfig()
     # Tracing (docs/DESIGN.md, "Tracing"); off by default.
     telemetry: TelemetryConfig = TelemetryConfig()
     # A peer report older than this is treated as unknown (docs/DESIGN.md, "Staleness and reachability").

@@ -34,8 +34,6 @@ from workflows.watch import PeerWatch, WatcherInput
 
 log = logging.getLogger("iris.worker")
 
-# Workflows kept in memory between their tasks (the SDK's default is 1,000); ~0.3 MiB each.
-MAX_CACHED_WORKFLOWS = 4096
 # Every workflow this worker runs; the determinism check replays histories against the same list.
 WORKFLOWS = (JobWorkflow, PlacementManager, ListPeersWorkflow, PeerWatch)
 
@@ -121,9 +119,9 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         activities=job_activities(config, store),
         max_concurrent_activities=200,
         # Every running job is a workflow a signal may wake at any time: one evicted from the cache
-        # is replayed from its whole history first (docs/BENCHMARKS.md, "Running jobs"), so the
-        # cache holds as many as one worker is meant to hold running.
-        max_cached_workflows=MAX_CACHED_WORKFLOWS,
+        # is replayed from its history first. The cache bounds the worker's memory
+        # (`[worker] max_cached_workflows`; docs/DESIGN.md, "Worker memory").
+        max_cached_workflows=config.worker.max_cached_workflows,
         workflow_runner=workflow_runner(),
         # Temporal's tracing interceptor when tracing is on and the client has none (docs/DESIGN.md,
         # "Tracing").

@@ -23,7 +23,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -136,6 +138,10 @@ class BundleInfo(BaseModel):
     created: bool = False
 
 
+# An unpacked copy being removed by the sweep (renamed first, deleted after).
+GONE_PREFIX = ".gone-"
+
+
 class BundleStore:
     """``state_dir/bundles/<sha256>.tar.gz``, plus unpacked copies for backends that want a
     directory (Ray's ``working_dir``) under ``unpacked/<sha256>/``."""
@@ -146,6 +152,9 @@ class BundleStore:
         (self.root / "unpacked").mkdir(exist_ok=True)
         # Bundles carry users' code: nobody but the controller's own user reads them.
         os.chmod(self.root, 0o700)
+        # Held by ``claim`` and by ``sweep`` around each deletion: a launch either finds the bundle
+        # and marks it in use before the sweep looks at it, or finds it gone (and is answered 404).
+        self._claims = threading.Lock()
         # Jobs' working directories are overlays of one copy (None: wherever mounts are private
         # to this controller and the kernel mounts one).
         self.overlays = self._probe() if overlays is None else overlays
@@ -171,6 +180,13 @@ class BundleStore:
 
     def has(self, sha256: str) -> bool:
         return self.path(sha256).is_file()
+
+    def claim(self, sha256: str) -> bool:
+        """For a launch that names the bundle: whether it is stored, marking it in use now (as
+        ``info`` does), so that a sweep running at the same time keeps it for the job about to
+        reference it. A launch is not preceded by a check since ``launch-before-staging-v1``."""
+        with self._claims:
+            return self.info(sha256) is not None
 
     def info(self, sha256: str) -> BundleInfo | None:
         """What is stored under ``sha256``, or None. Asking marks it in use now: ``sweep`` keeps a
@@ -273,16 +289,25 @@ class BundleStore:
             sha = path.name.removesuffix(".tar.gz")
             if sha in keep:
                 continue
+            unpacked = self.root / "unpacked" / sha
+            trash = self.root / "unpacked" / f"{GONE_PREFIX}{sha}-{uuid.uuid4().hex[:8]}"
             try:
-                if path.stat().st_mtime >= cutoff:
-                    continue
-                shutil.rmtree(self.root / "unpacked" / sha, ignore_errors=True)
-                path.unlink()
+                with self._claims:  # no launch claims it between the look and the removal
+                    if path.stat().st_mtime >= cutoff:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        unpacked.rename(trash)
+                    path.unlink()
             except FileNotFoundError:
                 continue
+            shutil.rmtree(trash, ignore_errors=True)
             gone.append(sha)
-        # A copy whose bundle is gone (a crash between the two removals) goes too.
+        # A copy whose bundle is gone (a crash between the two removals) goes too, and what a
+        # crash left of a removal.
         for copy in (self.root / "unpacked").iterdir():
+            if copy.name.startswith(GONE_PREFIX):
+                shutil.rmtree(copy, ignore_errors=True)
+                continue
             if copy.name.startswith(".") or copy.name in keep:
                 continue
             if not (self.root / f"{copy.name}.tar.gz").exists():

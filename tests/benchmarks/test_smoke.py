@@ -104,6 +104,14 @@ def check_policy_bench(run: Run, tmp: Path) -> None:
     assert re.search(r"^\s+300\s+5\s+20\s+\d+\s+\d+\s+[\d.]+", run.stdout, re.MULTILINE), run.stdout
 
 
+def check_wake(run: Run, tmp: Path) -> None:
+    # Two lengths of a running job's history, each replayed clean (a failure exits non-zero): the
+    # recorded one (63 events) and nine signals more, six events each.
+    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+$", run.stdout, re.MULTILINE)
+    assert [(int(a), int(b)) for a, b in rows] == [(1, 63), (10, 63 + 9 * 6)], run.stdout
+    assert "fit: a wake replays in" in run.stdout
+
+
 def check_tracing_headers(run: Run, tmp: Path) -> None:
     out = run.stdout
     for app in ("traced", "untraced"):
@@ -218,6 +226,7 @@ SMOKES = [
     # Service-free, in-process: the fast subset runs them too.
     Smoke("policy_bench", check_policy_bench, stack=False),
     Smoke("tracing_headers", check_tracing_headers, stack=False),
+    Smoke("wake", check_wake, stack=False),
 ]
 
 

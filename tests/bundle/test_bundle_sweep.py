@@ -44,3 +44,56 @@ def test_a_bundle_is_kept_while_referenced_or_recently_asked_for(tmp_path: Path,
     store.path(sha).unlink()
     assert store.sweep(set(), older_than_s=60) == []
     assert not (tmp_path / "bundles" / "unpacked" / sha).exists()
+
+
+def test_a_launch_claims_the_bundle_before_a_sweep_can_take_it(tmp_path: Path, workspace: Bundle) -> None:
+    """Since launch-before-staging-v1 no check precedes a launch: the launch's own claim marks the
+    bundle in use, so a sweep whose list of referenced bundles predates the job keeps it; a sweep
+    that took it first leaves the launch a 404 (claim False), and the home side stages it again."""
+    store = BundleStore(tmp_path / "bundles", overlays=False)
+    sha = workspace.ref.sha256
+    store.put(sha, workspace.data)
+    store.unpacked(sha)
+    old = 1_000_000_000.0
+    os.utime(store.path(sha), (old, old))
+    assert store.claim(sha)
+    assert store.sweep(set(), older_than_s=60) == []  # the snapshot has no job, the claim keeps it
+    os.utime(store.path(sha), (old, old))
+    assert store.sweep(set(), older_than_s=60) == [sha]
+    assert not store.claim(sha)
+    # What a crash left mid-removal (the copy renamed, not yet deleted) goes at the next sweep.
+    store.put(sha, workspace.data)
+    copy = store.unpacked(sha)
+    left = copy.parent / f".gone-{sha}-0000"
+    copy.rename(left)
+    assert store.sweep({sha}, older_than_s=60) == []
+    assert not left.exists() and store.has(sha)
+
+
+def test_claims_and_sweeps_in_threads_never_leave_a_claimed_bundle_deleted(
+    tmp_path: Path, workspace: Bundle
+) -> None:
+    """Many rounds of a claim racing a sweep: whenever the claim answers True, the bundle is still
+    there after the sweep (the sweep looked after the claim, saw it in use, and kept it)."""
+    import threading
+
+    store = BundleStore(tmp_path / "bundles", overlays=False)
+    sha = workspace.ref.sha256
+    old = 1_000_000_000.0
+    for _ in range(200):
+        store.put(sha, workspace.data)
+        os.utime(store.path(sha), (old, old))
+        claimed: list[bool] = []
+        start = threading.Barrier(2)
+
+        def claim() -> None:
+            start.wait()
+            claimed.append(store.claim(sha))
+
+        thread = threading.Thread(target=claim)
+        thread.start()
+        start.wait()
+        swept = store.sweep(set(), older_than_s=60)
+        thread.join()
+        assert claimed[0] is (swept == []), (claimed, swept)
+        assert store.has(sha) is claimed[0]

@@ -208,7 +208,7 @@ class Executor:
                 f"(backends: {', '.join(sorted(self.backends))})"
             )
         backend.demand(req.device)
-        if req.bundle is not None and not self._bundles.has(req.bundle.sha256):
+        if req.bundle is not None and not self._bundles.claim(req.bundle.sha256):
             # Not a refusal of the job: the home side uploads the bundle and launches again.
             raise NotFound(
                 f"bundle {req.bundle.sha256} is not stored on cluster {self.cluster.name}; "
