@@ -6,6 +6,7 @@ shows the same through a root controller's retention."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,6 @@ def test_claims_and_sweeps_in_threads_never_leave_a_claimed_bundle_deleted(
 ) -> None:
     """Many rounds of a claim racing a sweep: whenever the claim answers True, the bundle is still
     there after the sweep (the sweep looked after the claim, saw it in use, and kept it)."""
-    import threading
-
     store = BundleStore(tmp_path / "bundles", overlays=False)
     sha = workspace.ref.sha256
     old = 1_000_000_000.0
@@ -86,9 +85,9 @@ def test_claims_and_sweeps_in_threads_never_leave_a_claimed_bundle_deleted(
         claimed: list[bool] = []
         start = threading.Barrier(2)
 
-        def claim() -> None:
-            start.wait()
-            claimed.append(store.claim(sha))
+        def claim(into: list[bool] = claimed, together: threading.Barrier = start) -> None:
+            together.wait()
+            into.append(store.claim(sha))
 
         thread = threading.Thread(target=claim)
         thread.start()
