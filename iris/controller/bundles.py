@@ -32,6 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from iris.bundle import BundleError, BundleStats, check_sha256, digest, inspect, unpack
+from iris.controller.sandbox import WorkdirOverlay, overlay_path
 
 log = logging.getLogger("iris.controller.bundles")
 
@@ -68,18 +69,11 @@ def private_mounts() -> bool:
     return True
 
 
-def _overlay_path(path: Path) -> str:
-    text = str(path)
-    if any(c in text for c in ",:\\\n"):
-        raise OSError(f"no overlay can name {text!r}: it holds a comma, colon, backslash or newline")
-    return text
-
-
 def mount_overlay(lower: Path, layer: Path, target: Path) -> None:
     """Mount ``lower`` (read-only to the overlay) on ``target``, its writes kept in ``layer/upper``
     (``layer/work`` is the kernel's scratch). No setuid file or device node works in it."""
     upper, work = layer / "upper", layer / "work"
-    opts = f"lowerdir={_overlay_path(lower)},upperdir={_overlay_path(upper)},workdir={_overlay_path(work)}"
+    opts = f"lowerdir={overlay_path(lower)},upperdir={overlay_path(upper)},workdir={overlay_path(work)}"
     if _libc().mount(b"overlay", os.fsencode(target), b"overlay", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot mount the workspace overlay on {target}: {os.strerror(err)}")
@@ -256,10 +250,12 @@ class BundleStore:
             raise
         return final
 
-    def workspace(self, sha256: str, workdir: Path) -> Path:
+    def workspace(self, sha256: str, workdir: Path, *, mount: bool = True) -> Path:
         """Give ``workdir`` (an empty directory) the bundle's files; the directory that takes the
         job's writes, whose owner and mode are the working directory's. With overlays, that is the
-        layer ``<workdir>.layer/upper`` (``release`` unmounts it); else ``workdir``, a copy."""
+        layer ``<workdir>.layer/upper`` (``release`` unmounts it); else ``workdir``, a copy.
+        ``mount`` False: the layer is made but not mounted, for the job's sandbox to mount
+        (``overlay_of``)."""
         if not self.overlays:
             self.unpack_into(sha256, workdir)
             return workdir
@@ -269,8 +265,14 @@ class BundleStore:
         upper = layer / "upper"
         upper.mkdir(mode=0o700)
         (layer / "work").mkdir(mode=0o700)
-        mount_overlay(lower, layer, workdir)
+        if mount:
+            mount_overlay(lower, layer, workdir)
         return upper
+
+    def overlay_of(self, sha256: str, workdir: Path) -> WorkdirOverlay:
+        """The layers ``workspace(..., mount=False)`` made for ``workdir``."""
+        layer = layer_of(workdir)
+        return WorkdirOverlay(self.unpacked(sha256), layer / "upper", layer / "work")
 
     def release(self, workdir: Path) -> None:
         """The run is over: its working directory is unmounted (if it was an overlay); its layer

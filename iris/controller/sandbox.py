@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 from iris.config import ClusterConfig, ConfigError
 from iris.controller.identity import default_key_dir
@@ -108,6 +109,67 @@ except OSError as exc:
 LAUNCH_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
+class WorkdirOverlay(NamedTuple):
+    """A job's working directory as an overlay mounted for its sandbox alone: ``lower`` (the
+    bundle's one shared copy) read-only under the job's writes, kept in ``upper`` (``work`` is
+    overlayfs's scratch on the same filesystem). It is mounted in a mount namespace of the job's
+    own, which bwrap's sandbox is then made from, and never in the controller's: every new sandbox
+    copies the controller's mount table, so a mount per running job there would make each start
+    cost more with every job running (docs/DESIGN.md, "Workspace bundles")."""
+
+    lower: Path
+    upper: Path
+    work: Path
+
+    def options(self) -> str:
+        """overlayfs's mount options (no setuid file or device node works in it)."""
+        lower, upper, work = (overlay_path(p) for p in (self.lower, self.upper, self.work))
+        return f"nosuid,nodev,lowerdir={lower},upperdir={upper},workdir={work}"
+
+
+def overlay_path(path: Path) -> str:
+    """``path`` as an overlayfs option names it; OSError if it cannot be named so."""
+    text = str(path)
+    if any(c in text for c in ",:\\\n"):
+        raise OSError(f"no overlay can name {text!r}: it holds a comma, colon, backslash or newline")
+    return text
+
+
+# Mounts the overlay ($1: options, $2: the working directory) in the mount namespace `unshare`
+# made for the job, then becomes bwrap ("$@"), whose sandbox is made from that namespace.
+MOUNT_THEN_EXEC = '{mount} -n -t overlay overlay -o "$1" "$2" && shift 2 && exec "$@"'
+SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+@cache
+def system_tool(name: str) -> str | None:
+    """``name`` (util-linux's ``unshare`` and ``mount``, ``sh``) from the system's directories."""
+    found = shutil.which(name, path=SYSTEM_PATH)
+    return os.path.realpath(found) if found else None
+
+
+def overlay_prefix(overlay: WorkdirOverlay, workdir: Path) -> list[str]:
+    """What runs before bwrap for ``overlay``: a mount namespace of the job's own, private (nothing
+    propagates back), with the overlay mounted on ``workdir`` in it; then bwrap, same process."""
+    unshare, mount, sh = system_tool("unshare"), system_tool("mount"), system_tool("sh")
+    if unshare is None or mount is None or sh is None:
+        raise OSError("unshare, mount (util-linux) and sh are needed to mount a job's overlay")
+    script = MOUNT_THEN_EXEC.format(mount=mount)
+    return [
+        unshare,
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        sh,
+        "-c",
+        script,
+        "sh",
+        overlay.options(),
+        str(workdir),
+    ]
+
+
 def launcher_argv(python: str) -> list[str]:
     return [python, "-I", "-S", "-c", LAUNCHER]
 
@@ -121,11 +183,13 @@ def bwrap_argv(
     uid: int | None,
     setpriv: str | None,
     python: str,
+    overlay: WorkdirOverlay | None = None,
 ) -> list[str]:
     """The argv that runs ``command`` in ``workdir`` inside ``view``; as ``uid`` (through
     ``setpriv``, an absolute path inside the view) when given, else as the caller's uid. Its
     stdin must carry the job's environment as JSON (``LAUNCHER``, run by ``python``); its own
-    environment should be ``LAUNCH_ENV``.
+    environment should be ``LAUNCH_ENV``. ``workdir`` is the host's directory bound in, or, with
+    ``overlay``, an overlay bwrap mounts there inside the sandbox.
 
     ``command[0]`` is looked up by the job's own PATH, as the job's uid, inside the sandbox; the
     tools the sandbox itself runs are absolute paths, so nothing a job put on its PATH or in its
@@ -201,7 +265,8 @@ def bwrap_argv(
             "--bounding-set=-all",
             "--",
         ]
-    return argv + launcher_argv(python) + list(command)
+    prefix = overlay_prefix(overlay, workdir) if overlay is not None else []
+    return prefix + argv + launcher_argv(python) + list(command)
 
 
 # ---- the host's side of the view ---------------------------------------------------------------
@@ -365,14 +430,27 @@ def host_view(
 
 
 def find_command(
-    view: SandboxView, command0: str, *, path_env: str, workdir: Path, uid: int | None
+    view: SandboxView,
+    command0: str,
+    *,
+    path_env: str,
+    workdir: Path,
+    uid: int | None,
+    workdir_files: Path | None = None,
 ) -> str | None:
     """Why ``command0`` cannot start in the sandbox (as ``execvp`` would look it up there), or
     None. Checked on the host before the sandbox is built: the job gets the same one-line error a
-    job outside the sandbox gets ("cannot start ...")."""
+    job outside the sandbox gets ("cannot start ..."). ``workdir_files``: where the working
+    directory's files are on the host when bwrap builds it (a ``WorkdirOverlay``'s lower layer)."""
+    top = str(workdir)
 
     def seen(path: str) -> bool:
-        return _under(path, [str(workdir)]) or view.visible(path)
+        return _under(path, [top]) or view.visible(path)
+
+    def on_host(path: str) -> str:
+        if workdir_files is None or not _under(path, [top]):
+            return path
+        return os.path.join(workdir_files, os.path.relpath(path, top))
 
     if "/" in command0:
         candidates = [os.path.normpath(os.path.join(workdir, command0))]
@@ -382,8 +460,9 @@ def find_command(
         ]
     denied = False
     for cand in candidates:
-        real = os.path.realpath(cand)
-        if not (seen(cand) and seen(real)):
+        real = os.path.realpath(on_host(cand))
+        inside = workdir_files is not None and _under(real, [str(workdir_files)])
+        if not (seen(cand) and (inside or seen(real))):
             continue
         try:
             st = os.stat(real)
@@ -618,15 +697,38 @@ def signal_sandbox(bwrap_pid: int, sig: signal.Signals) -> None:
 
 
 @cache
-def probe(bwrap: str, view: SandboxView, uid: int | None, setpriv: str | None, python: str) -> str | None:
+def probe(
+    bwrap: str, view: SandboxView, uid: int | None, setpriv: str | None, python: str, *, overlay: bool = False
+) -> str | None:
     """Run ``true`` in such a sandbox, once per process; None if it worked, else why not (one
-    line: bwrap's own message, e.g. that it may not create namespaces here)."""
-    with tempfile.TemporaryDirectory(prefix="iris-sandbox-probe-") as workdir:
+    line: bwrap's own message, e.g. that it may not create namespaces here). ``overlay``: in a
+    working directory that is an overlay of the job's own (``WorkdirOverlay``)."""
+    with tempfile.TemporaryDirectory(prefix="iris-sandbox-probe-") as tmp:
+        workdir = Path(tmp) / "workdir"
+        workdir.mkdir()
+        layers = None
+        if overlay:
+            layers = WorkdirOverlay(Path(tmp) / "lower", Path(tmp) / "upper", Path(tmp) / "work")
+            for path in layers:
+                path.mkdir()
+            os.chmod(layers.lower, 0o755)
+        writable = layers.upper if layers is not None else workdir
         if uid is not None:
-            os.chown(workdir, uid, uid)
-        argv = bwrap_argv(
-            bwrap, view, workdir=Path(workdir), command=["true"], uid=uid, setpriv=setpriv, python=python
-        )
+            os.chown(writable, uid, uid)
+            os.chmod(tmp, 0o755)  # the uid passes through to its working directory
+        try:
+            argv = bwrap_argv(
+                bwrap,
+                view,
+                workdir=workdir,
+                command=["true"],
+                uid=uid,
+                setpriv=setpriv,
+                python=python,
+                overlay=layers,
+            )
+        except OSError as exc:
+            return str(exc)
         try:
             res = subprocess.run(
                 argv, input=json.dumps(LAUNCH_ENV), env=LAUNCH_ENV, capture_output=True, text=True, timeout=30
@@ -659,6 +761,9 @@ class Sandbox:
     pool: UidPool | None = None
     reason: str = ""
     skipped: list[str] = field(default_factory=list)
+    # Whether a job's workspace overlay is mounted in a mount namespace of the job's own (util-linux
+    # unshare and mount; probed at start). Else the controller mounts it in its own namespace.
+    overlays: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -699,7 +804,9 @@ class Sandbox:
     def path_env(self) -> str:
         return os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin"
 
-    def argv(self, command: Sequence[str], *, workdir: Path, uid: int | None) -> list[str]:
+    def argv(
+        self, command: Sequence[str], *, workdir: Path, uid: int | None, overlay: WorkdirOverlay | None = None
+    ) -> list[str]:
         assert self.bwrap is not None
         return bwrap_argv(
             self.bwrap,
@@ -709,6 +816,7 @@ class Sandbox:
             uid=uid,
             setpriv=self.setpriv,
             python=self.python,
+            overlay=overlay,
         )
 
     @classmethod
@@ -760,6 +868,10 @@ class Sandbox:
                 else:
                     sandbox.bwrap, sandbox.setpriv, sandbox.view = bwrap, real_setpriv, view
                     sandbox.skipped = skipped
+                    uid = uids[0] if root else None
+                    sandbox.overlays = (
+                        root and probe(bwrap, view, uid, real_setpriv, sandbox.python, overlay=True) is None
+                    )
                     if root:
                         taken = overlapping_accounts(uids)
                         if taken:

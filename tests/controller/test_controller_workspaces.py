@@ -2,8 +2,9 @@
 bundles"), against a real root controller running sandboxed jobs: every job of a bundle sees the
 bundle's files through an overlay of the one unpacked copy, writes, appends and deletes land in
 that job's own layer, the next job still sees the bundle as shipped, a hostile job that finds the
-shared copy's path cannot reach it, the overlay lives in the controller's own mount namespace (the
-host never sees it), and retention deletes the bundle and its copy once no job references them.
+shared copy's path cannot reach it, the overlay lives in a mount namespace of the job's own
+(neither the controller nor the host sees it), and retention deletes the bundle and its copy once
+no job references them.
 """
 
 from __future__ import annotations
@@ -147,35 +148,78 @@ async def test_jobs_of_one_bundle_share_one_copy_and_write_only_their_own_layer(
     assert (copy / "data.txt").read_text() == "original"
 
 
-async def test_the_overlay_is_mounted_in_the_controllers_namespace_only(
-    ctl: Controller, workspace: Bundle
-) -> None:
-    """While a job runs, its overlay is in the controller's mount table and not in the host's;
-    once the job ends, in neither."""
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat_line = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+async def test_the_overlay_is_mounted_for_the_job_alone(ctl: Controller, workspace: Bundle) -> None:
+    """While a job runs, its overlay is in a mount namespace of the job's own (its sandbox's): not
+    in the controller's, which every new sandbox copies (a mount per running job there made each
+    start cost more with every job running: docs/BENCHMARKS.md), and not in the host's; once the
+    job ends it is gone with that namespace."""
     state = ctl.state_dir
     code = "import time; print('running', flush=True); time.sleep(60)"
     req = request([sys.executable, "-c", code], job_id="ws/sleeper", backend_id="cpu").model_copy(
         update={"bundle": workspace.ref}
     )
-    controller_mounts = Path(f"/proc/{ctl.proc.pid}/mountinfo")
 
-    def overlays_of_controller() -> list[str]:
-        return [line for line in controller_mounts.read_text().splitlines() if str(state / "work") in line]
+    def work_mounts(pid: int) -> list[str]:
+        try:
+            lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        except OSError:
+            return []
+        return [line for line in lines if str(state / "work") in line]
+
+    def job_overlays() -> list[str]:
+        return [line for pid in _children(ctl.proc.pid) for line in work_mounts(pid)]
 
     async with ctl.client(timeout=30.0) as c:
         await c.put_bundle(workspace.ref.sha256, workspace.data)
         await c.launch(req)
-        await poll(
-            lambda: asyncio.to_thread(overlays_of_controller), bool, timeout=60, what="the job's overlay"
-        )
-        (line,) = overlays_of_controller()
+        await poll(lambda: asyncio.to_thread(job_overlays), bool, timeout=60, what="the job's overlay")
+        line = job_overlays()[0]
         assert " overlay " in line and "nosuid" in line and "nodev" in line, line
-        assert mounts_under(state) == []
+        assert work_mounts(ctl.proc.pid) == []  # the controller's namespace holds no job's mount
+        assert mounts_under(state) == []  # nor the host's
         await c.terminate("ws/sleeper")
         await wait_terminal(c, "ws/sleeper", timeout=60)
-        await poll(
-            lambda: asyncio.to_thread(overlays_of_controller), lambda m: not m, timeout=30, what="unmount"
-        )
+        await poll(lambda: asyncio.to_thread(job_overlays), lambda m: not m, timeout=30, what="unmount")
+        assert work_mounts(ctl.proc.pid) == []
+
+
+async def test_a_script_shipped_in_the_bundle_runs_by_its_relative_path(
+    ctl: Controller, tmp_path: Path
+) -> None:
+    """The working directory is mounted only inside the job's sandbox, so the controller finds a
+    relative command (``./train.sh``) in the bundle's copy, not in the (empty) directory it made;
+    a name the bundle does not ship is still refused in one line."""
+    src = tmp_path / "scripted"
+    src.mkdir()
+    script = src / "train.sh"
+    script.write_text('#!/bin/sh\necho trained from "$(pwd)"\n')
+    script.chmod(0o755)
+    bundle = pack(src)
+    assert bundle is not None
+    async with ctl.client(timeout=30.0) as c:
+        await c.put_bundle(bundle.ref.sha256, bundle.data)
+        for job_id, command in (("ws/script", "./train.sh"), ("ws/missing", "./absent.sh")):
+            req = request([command], job_id=job_id, backend_id="cpu")
+            await c.launch(req.model_copy(update={"bundle": bundle.ref}))
+        ran = await wait_terminal(c, "ws/script", timeout=60)
+        text = await read_all_logs(c, "ws/script")
+        missing = await wait_terminal(c, "ws/missing", timeout=60)
+    assert ran.state is S.SUCCEEDED and "trained from " in text, (ran, text)
+    assert missing.state is S.FAILED and "cannot start './absent.sh'" in (missing.error or ""), missing
 
 
 async def test_retention_deletes_the_bundle_and_its_copy_after_its_last_job(

@@ -27,7 +27,14 @@ from iris.controller.errors import InvalidArgument
 from iris.controller.executors.base import CPU_RESOURCE, Backend, Demand, JobHost
 from iris.controller.models import TIMED_OUT, ControllerJobState, preempted_note
 from iris.controller.privileges import RunAs, chown_tree, harden_state_dir, resolve_run_as
-from iris.controller.sandbox import LAUNCH_ENV, Sandbox, UidLease, find_command, signal_sandbox
+from iris.controller.sandbox import (
+    LAUNCH_ENV,
+    Sandbox,
+    UidLease,
+    WorkdirOverlay,
+    find_command,
+    signal_sandbox,
+)
 from iris.controller.state import JobRecord, now_ms
 from iris.policy.models import BackendReport, Band, HeldByBand
 from iris.policy.preemption import RunningTask, choose_victims, is_exempt, may_preempt
@@ -94,6 +101,8 @@ class _Run:
     killer: asyncio.Task[None] | None = None
     # The pool uid the job's sandboxes run as, held until its processes are gone.
     lease: UidLease | None = None
+    # The working directory's overlay, mounted by the job's sandbox itself (WorkdirOverlay).
+    overlay: WorkdirOverlay | None = None
 
 
 def _with_cpu(entries: list[HeldByBand], slots: dict[Band, int]) -> list[HeldByBand]:
@@ -552,13 +561,13 @@ class ProcessBackend(Backend):
         writable = workdir
         try:
             workdir.mkdir(mode=0o700)
-            writable, unpacked = await self._unpack(job, workdir)
+            writable, unpacked = await self._unpack(job, run, workdir)
             if unpacked is None:
                 owner, unpacked = await self._identity(job, run)
             if owner is not None and writable != workdir:
-                # Through the mount (the overlay's root is its layer's): the shared files stay the
-                # controller's, a job's uid reads them and writes into its layer.
-                os.lchown(workdir, owner.uid, owner.gid)
+                # The overlay's root is its layer's: the shared files stay the controller's, a
+                # job's uid reads them and writes into its layer.
+                os.lchown(writable, owner.uid, owner.gid)
             elif owner is not None:
                 await asyncio.to_thread(chown_tree, workdir, owner)
             if unpacked is not None:
@@ -637,17 +646,26 @@ class ProcessBackend(Backend):
         return RunAs(user=f"uid {uid}", uid=uid, gid=uid, switch=True), None
 
     async def _unpack(
-        self, job: JobRecord, workdir: Path
+        self, job: JobRecord, run: _Run, workdir: Path
     ) -> tuple[Path, tuple[ControllerJobState, int | None, str | None] | None]:
         """Give the job's working directory its workspace bundle (the bundle's one copy through an
         overlay, or a copy of its own: BundleStore.workspace); the directory that takes the job's
-        writes, and the job's failure if that failed."""
-        if job.bundle is None:
+        writes, and the job's failure if that failed. A one-replica job in a sandbox that can
+        mount it gets its overlay from its sandbox (``run.overlay``): no mount is made in this
+        controller's namespace, which every new sandbox copies (a job's start would otherwise grow
+        with the jobs running). Replicas share one layer, so theirs is mounted here."""
+        bundle = job.bundle
+        if bundle is None:
             return workdir, None
+        bundles = self.host.bundles
+        inside = self.sandbox.enabled and self.sandbox.overlays and bundles.overlays and len(job.tasks) == 1
         try:
-            return await asyncio.to_thread(self.host.bundles.workspace, job.bundle, workdir), None
+            writable = await asyncio.to_thread(bundles.workspace, bundle, workdir, mount=not inside)
+            if inside:
+                run.overlay = bundles.overlay_of(bundle, workdir)
+            return writable, None
         except (BundleError, OSError) as exc:
-            log.warning("job %s: cannot unpack bundle %s: %s", job.job_id, job.bundle[:12], exc)
+            log.warning("job %s: cannot unpack bundle %s: %s", job.job_id, bundle[:12], exc)
             return workdir, (ControllerJobState.FAILED, None, f"cannot unpack the workspace bundle: {exc}")
 
     async def _spawn_and_wait(
@@ -753,8 +771,14 @@ class ProcessBackend(Backend):
         """One replica in its sandbox (iris/controller/sandbox.py). bwrap gets a fixed environment;
         the job's own reaches the launcher inside, as the job's uid, through its stdin."""
         uid = run.lease.uid if run.lease is not None else None
+        overlay = run.overlay
         why = find_command(
-            self.sandbox.view, job.command[0], path_env=env.get("PATH", ""), workdir=workdir, uid=uid
+            self.sandbox.view,
+            job.command[0],
+            path_env=env.get("PATH", ""),
+            workdir=workdir,
+            uid=uid,
+            workdir_files=overlay.lower if overlay is not None else None,
         )
         if why is not None:
             raise (PermissionError if why == "Permission denied" else FileNotFoundError)(0, why)
@@ -763,7 +787,7 @@ class ProcessBackend(Backend):
             os.write(env_fd, json.dumps(env).encode())
             os.lseek(env_fd, 0, os.SEEK_SET)
             return await asyncio.create_subprocess_exec(
-                *self.sandbox.argv(job.command, workdir=workdir, uid=uid),
+                *self.sandbox.argv(job.command, workdir=workdir, uid=uid, overlay=overlay),
                 stdin=env_fd,
                 stdout=log_fd,
                 stderr=log_fd,
