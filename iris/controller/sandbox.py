@@ -667,9 +667,18 @@ def signal_sandbox(bwrap_pid: int, sig: signal.Signals) -> None:
     """Signal every process of the job ``bwrap_pid`` runs: SIGKILL ends its PID namespace (its
     init dies, the kernel kills the rest); any other signal goes to each process of the namespace
     but its init (whose death would end them all at once, with no grace), ``setsid`` children
-    included. Before the sandbox's init exists, the bwrap process itself is signalled."""
+    included. Before the sandbox's init exists, the bwrap process's group is signalled: also
+    while ``bwrap_pid`` is still the shell that mounts a job's overlay (``overlay_prefix``), whose
+    child (``mount``) is in the controller's own PID namespace, not a sandbox's."""
     inits = _children(bwrap_pid)
-    if not inits:
+    ns: str | None = None
+    if inits:
+        try:
+            ns = os.readlink(f"/proc/{inits[0]}/ns/pid")
+        except OSError:
+            ns = None
+    if ns is None or ns == os.readlink("/proc/self/ns/pid"):
+        # No sandbox yet: never the namespace walk below, which would reach every process here.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(bwrap_pid, sig)
         return
@@ -677,10 +686,6 @@ def signal_sandbox(bwrap_pid: int, sig: signal.Signals) -> None:
     if sig == signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(init, signal.SIGKILL)
-        return
-    try:
-        ns = os.readlink(f"/proc/{init}/ns/pid")
-    except OSError:
         return
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == init:
