@@ -26,17 +26,25 @@ def workspace(tmp_path: Path) -> Bundle:
     return bundle
 
 
-def test_a_bundle_is_kept_while_referenced_or_recently_asked_for(tmp_path: Path, workspace: Bundle) -> None:
+OLD = 1_000_000_000.0  # an mtime long before any retention period
+
+
+def aged_store(tmp_path: Path, workspace: Bundle) -> tuple[BundleStore, str]:
+    """A store holding ``workspace``, unpacked, last asked for long ago."""
     store = BundleStore(tmp_path / "bundles", overlays=False)
     sha = workspace.ref.sha256
     store.put(sha, workspace.data)
     store.unpacked(sha)
-    old = 1_000_000_000.0
-    os.utime(store.path(sha), (old, old))
+    os.utime(store.path(sha), (OLD, OLD))
+    return store, sha
+
+
+def test_a_bundle_is_kept_while_referenced_or_recently_asked_for(tmp_path: Path, workspace: Bundle) -> None:
+    store, sha = aged_store(tmp_path, workspace)
     assert store.sweep({sha}, older_than_s=60) == []  # a job references it
     assert store.info(sha) is not None  # asked for: in use again
     assert store.sweep(set(), older_than_s=60) == []
-    os.utime(store.path(sha), (old, old))
+    os.utime(store.path(sha), (OLD, OLD))
     assert store.sweep(set(), older_than_s=60) == [sha]
     assert not store.has(sha) and not (tmp_path / "bundles" / "unpacked" / sha).exists()
     # A copy whose bundle a crash removed first goes at the next sweep.
@@ -51,15 +59,10 @@ def test_a_launch_claims_the_bundle_before_a_sweep_can_take_it(tmp_path: Path, w
     """Since launch-before-staging-v1 no check precedes a launch: the launch's own claim marks the
     bundle in use, so a sweep whose list of referenced bundles predates the job keeps it; a sweep
     that took it first leaves the launch a 404 (claim False), and the home side stages it again."""
-    store = BundleStore(tmp_path / "bundles", overlays=False)
-    sha = workspace.ref.sha256
-    store.put(sha, workspace.data)
-    store.unpacked(sha)
-    old = 1_000_000_000.0
-    os.utime(store.path(sha), (old, old))
+    store, sha = aged_store(tmp_path, workspace)
     assert store.claim(sha)
     assert store.sweep(set(), older_than_s=60) == []  # the snapshot has no job, the claim keeps it
-    os.utime(store.path(sha), (old, old))
+    os.utime(store.path(sha), (OLD, OLD))
     assert store.sweep(set(), older_than_s=60) == [sha]
     assert not store.claim(sha)
     # What a crash left mid-removal (the copy renamed, not yet deleted) goes at the next sweep.
@@ -78,10 +81,9 @@ def test_claims_and_sweeps_in_threads_never_leave_a_claimed_bundle_deleted(
     there after the sweep (the sweep looked after the claim, saw it in use, and kept it)."""
     store = BundleStore(tmp_path / "bundles", overlays=False)
     sha = workspace.ref.sha256
-    old = 1_000_000_000.0
     for _ in range(200):
         store.put(sha, workspace.data)
-        os.utime(store.path(sha), (old, old))
+        os.utime(store.path(sha), (OLD, OLD))
         claimed: list[bool] = []
         start = threading.Barrier(2)
 

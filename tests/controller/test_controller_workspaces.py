@@ -36,6 +36,7 @@ from iris.bundle import Bundle, pack
 from iris.controller.bundles import layer_of, mounts_under
 from iris.controller.models import ControllerJobState as S
 from iris.controller.retention import SWEEP_ENV
+from iris.controller.sandbox import _children
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="overlays are mounted by a root controller"),
@@ -146,20 +147,6 @@ async def test_jobs_of_one_bundle_share_one_copy_and_write_only_their_own_layer(
     escape = await _run(ctl, workspace, ESCAPE, "ws/escape")
     assert str(copy) in escape and "refused" in escape and "ESCAPED" not in escape, escape
     assert (copy / "data.txt").read_text() == "original"
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat_line = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat_line.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 async def test_the_overlay_is_mounted_for_the_job_alone(ctl: Controller, workspace: Bundle) -> None:
