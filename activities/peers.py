@@ -7,6 +7,7 @@ models; decisions stay in the policy package and the workflow.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from enum import StrEnum
 
@@ -18,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 from iris import contract, metrics
 from iris.bundle import BundleError, BundleRef, fetch_from_home
 from iris.config import ConfigError, FederationConfig
-from iris.controller.client import ControllerClient
+from iris.controller.client import ClientPool, ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.controller.models import ErrorCode, LaunchRequest
 from iris.controller.models import JobStatus as ControllerJobStatus
@@ -170,9 +171,14 @@ class PeerActivities:
         self._view: tuple[float, FederationView] | None = None
         self._reading: asyncio.Task[FederationView] | None = None
         self._staging: dict[tuple[str, str], asyncio.Task[bool]] = {}
+        # One client per cluster, its connections reused by every activity of this worker.
+        self._clients = ClientPool(lambda cluster: controller_client(config, cluster, request_timeout_s))
 
-    def _client(self, cluster: str) -> ControllerClient:
-        return controller_client(self._config, cluster, self._timeout)
+    def _client(self, cluster: str) -> contextlib.AbstractAsyncContextManager[ControllerClient]:
+        return self._clients.borrow(cluster)
+
+    async def aclose(self) -> None:
+        await self._clients.aclose()
 
     @activity.defn(name=contract.FETCH_REPORTS)
     async def fetch_reports(self) -> FederationView:

@@ -83,6 +83,7 @@ from benchmarks.harness import (
     BenchStack,
     Deadline,
     LoadSampler,
+    PySpy,
     cpu_seconds,
     gather_bounded,
     machine,
@@ -91,6 +92,7 @@ from benchmarks.harness import (
     percentile,
     rss_mib,
     run_main,
+    summarize_collapsed,
     table,
     uptime_line,
     write_json,
@@ -762,6 +764,12 @@ async def run_one(
 
         # 4. Release and drain.
         phase["name"] = "drain"
+        drain_window = Window(stack, peers)
+        spy: PySpy | None = None
+        if args.profile:
+            spy = PySpy(wpid, root / "worker-drain.txt")
+            spy = spy if spy.start() else None
+        drain_window.start()
         gate.release()
         assert gate.released_ms is not None
         print(
@@ -777,6 +785,13 @@ async def run_one(
                 break
             await asyncio.sleep(2)
         drain_s = (int(time.time() * 1000) - gate.released_ms) / 1000
+        drain_window.stop()
+        if spy is not None:
+            spy.stop()
+            out["drain_profile"] = {
+                "all": summarize_collapsed(root / "worker-drain.txt", top=20),
+                "project": summarize_collapsed(root / "worker-drain.txt", top=25, project_only=True),
+            }
         sampler.cancel()
         sampler = None
 
@@ -937,6 +952,8 @@ async def run_one(
             "seconds": drain_s,
             "closed": sum(1 for j in ids if j in closed),
             "peer_states": dict(peer_states),
+            # CPU seconds of each process from the release to the last close.
+            "cpu_s": drain_window.process_cpu,
         }
         if hist:
             acts: Counter[str] = Counter()
@@ -1087,6 +1104,19 @@ def report_one(r: dict[str, Any]) -> None:
         f"drain: {d['closed']} of {n} closed {d['seconds']:.0f}s after the release; peer states "
         f"{d['peer_states']}; home states (sample) {p['home_states_sampled']}"
     )
+    if d.get("cpu_s") and d["closed"]:
+        print(
+            "drain CPU, ms per closed job: "
+            + ", ".join(f"{k} {v * 1000 / d['closed']:.1f}" for k, v in d["cpu_s"].items())
+        )
+    prof = r.get("drain_profile")
+    if prof:
+        print("py-spy of the worker over the drain: project code, % of samples: inclusive | deepest frame")
+        for (a, pa), (b, pb) in zip(prof["project"]["inclusive"], prof["project"]["self"], strict=False):
+            print(f"  {pa:5.1f} {a[:70]:70} | {pb:5.1f} {b[:70]}")
+        print("  all code, self time:")
+        for name, share in prof["all"]["self"][:15]:
+            print(f"  {share:5.1f} {name[:110]}")
     h = r.get("history")
     if h:
         print(
@@ -1384,6 +1414,7 @@ def main() -> None:
         "default, no wait)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="bound on one N's run, seconds")
+    p.add_argument("--profile", action="store_true", help="py-spy the worker over the drain")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stacks' temp directories")
     add_source_argument(p)

@@ -61,6 +61,8 @@ class FaultProxy:
         self.port: int | None = None
         # The connection of each caller, by its (host, port): a cut closes it without a reply.
         self._connections: dict[tuple[str, int], asyncio.Transport] = {}
+        # Connections accepted so far.
+        self.connections_made = 0
         self._http = httpx.AsyncClient(timeout=30)
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
@@ -261,6 +263,7 @@ def _tracked_protocol(proxy: FaultProxy) -> type[H11Protocol]:
             if proxy.refusing:
                 transport.abort()
             elif self.client is not None:
+                proxy.connections_made += 1
                 proxy._connections[self.client] = transport
 
         def connection_lost(self, exc: Exception | None) -> None:

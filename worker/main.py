@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,14 @@ class FederationWorker:
     run moves over at its next continue-as-new.
     """
 
-    def __init__(self, jobs: Worker, placement: Worker) -> None:
+    def __init__(
+        self, jobs: Worker, placement: Worker, closers: Sequence[Callable[[], Awaitable[None]]] = ()
+    ) -> None:
         self.jobs = jobs
         self.placement = placement
         self._workers = (jobs, placement)
+        # Run after both have stopped (the controller clients' open connections, say).
+        self._closers = tuple(closers)
 
     async def run(self) -> None:
         """Run both until shutdown; if one fails, the other is shut down and the error raised."""
@@ -74,11 +78,15 @@ class FederationWorker:
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
         await asyncio.gather(self._run_task, return_exceptions=True)
+        for close in self._closers:
+            await close()
 
 
-def job_activities(config: FederationConfig, store: FederationStore) -> list[Callable[..., Any]]:
+def job_activities(
+    config: FederationConfig, store: FederationStore, peers: PeerActivities | None = None
+) -> list[Callable[..., Any]]:
     """Every activity of the jobs' task queue (the names are the contract's, iris/contract.py)."""
-    peers = PeerActivities(config, LogRelay(config), store=store)
+    peers = peers or PeerActivities(config, LogRelay(config), store=store)
     queue = StoreActivities(store, config.temporal.task_queue)
     placement = PlacementActivities(config, store)
     artifacts = ArtifactActivities(config)
@@ -112,11 +120,12 @@ def job_activities(config: FederationConfig, store: FederationStore) -> list[Cal
 
 
 def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> FederationWorker:
+    peers = PeerActivities(config, LogRelay(config), store=store)
     jobs = Worker(
         client,
         task_queue=config.temporal.task_queue,
         workflows=list(WORKFLOWS),
-        activities=job_activities(config, store),
+        activities=job_activities(config, store, peers),
         max_concurrent_activities=200,
         # Every running job is a workflow a signal may wake at any time: one evicted from the cache
         # is replayed from its history first. The cache bounds the worker's memory
@@ -141,7 +150,7 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         workflow_runner=workflow_runner(),
         interceptors=tracing.worker_interceptors(client),
     )
-    return FederationWorker(jobs, ticks)
+    return FederationWorker(jobs, ticks, [peers.aclose])
 
 
 async def ensure_manager(client: Client, config: FederationConfig) -> None:

@@ -13,9 +13,12 @@ and a captured token opens nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -42,6 +45,8 @@ from iris.controller.models import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+# Idle connections kept open to one controller (in flight: no bound, as many as requests).
+KEEPALIVE_CONNECTIONS = 64
 # The slowest link an upload is given time for, beyond the client's own timeout (1 MiB/s).
 UPLOAD_BYTES_PER_S = float(1 << 20)
 # The largest answer read from a controller (a 1 MiB log chunk, JSON-escaped, fits many times);
@@ -86,7 +91,11 @@ class ControllerClient:
         self.audience = audience
         self.max_response_bytes = max_response_bytes
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=timeout, transport=transport, verify=_tls_context()
+            base_url=self.base_url,
+            timeout=timeout,
+            transport=transport,
+            verify=_tls_context(),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
         )
         # Each request a span, its ``traceparent`` sent along, when tracing is on (docs/DESIGN.md,
         # "Tracing"); nothing otherwise.
@@ -315,3 +324,52 @@ def _message(resp: httpx.Response, body: bytes | None) -> str:
         return f"{resp.reason_phrase} (error body too large to show)"
     text = body.decode("utf-8", errors="replace").strip().replace("\n", " ")
     return text[:200] if text else resp.reason_phrase
+
+
+@dataclass
+class _Lent:
+    client: ControllerClient
+    made: float
+    users: int = 0
+    retired: bool = False
+
+
+class ClientPool:
+    """One ControllerClient per cluster, lent to every caller in this process, so requests to a
+    controller reuse its open connections instead of connecting (and loading the signing key)
+    anew for each (docs/DESIGN.md, "Controller costs"). A client is renewed after ``renew_s``, so
+    a replaced key file or address takes effect within that time; the old one closes once its
+    last borrower is done. For one event loop; ``make`` may raise, and then nothing is lent."""
+
+    def __init__(self, make: Callable[[str], ControllerClient], *, renew_s: float = 60.0) -> None:
+        self._make = make
+        self._renew_s = renew_s
+        self._lent: dict[str, _Lent] = {}
+
+    @contextlib.asynccontextmanager
+    async def borrow(self, cluster: str) -> AsyncIterator[ControllerClient]:
+        lent = self._lent.get(cluster)
+        now = time.monotonic()
+        if lent is None or lent.retired or now - lent.made >= self._renew_s:
+            fresh = _Lent(self._make(cluster), now)
+            self._lent[cluster] = fresh
+            if lent is not None:
+                lent.retired = True
+                if lent.users == 0:
+                    await lent.client.aclose()
+            lent = fresh
+        lent.users += 1
+        try:
+            yield lent.client
+        finally:
+            lent.users -= 1
+            if lent.retired and lent.users == 0:
+                await lent.client.aclose()
+
+    async def aclose(self) -> None:
+        """Close every client (the worker's stop); one still lent closes when it is returned."""
+        lent, self._lent = list(self._lent.values()), {}
+        for entry in lent:
+            entry.retired = True
+            if entry.users == 0:
+                await entry.client.aclose()

@@ -15,7 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHistory
 from temporalio.testing import ActivityEnvironment
 
-from activities.peers import PeerActivities
+from activities.peers import MirrorInput, PeerActivities
 from iris.contract import job_workflow_id
 from iris.jobs import JobState
 from workflows.job import BASELINE_PATCH
@@ -116,3 +116,22 @@ async def test_a_burst_of_classifications_shares_one_capacity_read(stack: Stack)
     later = await env.run(activities.fetch_reports)
     assert later.fetched_ms is not None and views[0].fetched_ms is not None
     assert later.fetched_ms > views[0].fetched_ms
+
+
+async def test_the_worker_reuses_its_connections_to_a_controller(stack: Stack) -> None:
+    """A job's end is read with requests to its cluster (status, log): the worker's activities share
+    one client per cluster, so a burst of ends reuses open connections (docs/DESIGN.md,
+    "Controller costs"); before, each read connected anew."""
+    job_id = await stack.iris.submit(["true"], name="cost-conns", target_cluster="cw-rno2a", **H100)
+    final = await stack.iris.wait(job_id, timeout_s=90)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    activities = PeerActivities(stack.config)
+    env = ActivityEnvironment()
+    proxy = stack.proxies["cw-rno2a"]
+    before = proxy.connections_made
+    for _ in range(10):
+        seen = await env.run(activities.mirror_job, MirrorInput(cluster="cw-rno2a", job_id=job_id))
+        assert seen.state.value == "SUCCEEDED"
+    await activities.aclose()
+    # Ten reads in turn: one connection (the stack's own worker may open one meanwhile).
+    assert proxy.connections_made - before <= 2, proxy.connections_made - before
