@@ -293,8 +293,9 @@ class ClusterConfig(BaseModel):
     # How long a job preempted for a higher band has between SIGTERM and SIGKILL (docs/DESIGN.md,
     # "Preemption").
     preempt_grace_s: float = Field(default=30.0, ge=0, le=3600)
-    # How long a job back from a preemption (or a loss) is exempt from another one, from its
-    # attempt's start, like Slurm's PreemptExemptTime (docs/DESIGN.md, "Preemption"); 0: never.
+    # How long a job back from a preemption (or a loss) is exempt from another one by interactive
+    # work, from its attempt's start, like Slurm's PreemptExemptTime; production work overrides
+    # it (docs/DESIGN.md, "Preemption"); 0: never.
     preempt_exempt_s: float = Field(default=300.0, ge=0, le=86_400)
 
     @property

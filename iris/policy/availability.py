@@ -23,6 +23,7 @@ from iris.policy.models import (
     PeerReport,
     Reservation,
 )
+from iris.policy.preemption import overrides_exemption
 from iris.policy.routing import AUTO_VARIANT
 
 # The token of CPU jobs: one unit per replica (a process slot on the process backend).
@@ -80,16 +81,21 @@ def peer_status(report: PeerReport, now_ms: int, stale_after_ms: int) -> PeerSta
 class Capacity:
     """Spendable capacity of one backend for one observation; mutated as work is charged to it."""
 
-    __slots__ = ("free", "held", "reported")
+    __slots__ = ("exempt", "free", "held", "reported")
 
     def __init__(
         self,
         free: dict[str, int],
         held: dict[Band, dict[str, int]],
         reported: frozenset[str] | None = None,
+        exempt: dict[Band, dict[str, int]] | None = None,
     ) -> None:
         self.free = free
+        # What each band holds that higher bands may reclaim.
         self.held = held
+        # What exempt work of each band holds (a job back from a preemption, within its cluster's
+        # preempt_exempt_s): only the most protected band may reclaim it (``may_override``).
+        self.exempt = exempt if exempt is not None else {}
         # Every token the block names (amounts, totals or held), whatever its value.
         if reported is None:
             reported = frozenset(free).union(*(a.keys() for a in held.values()))
@@ -125,17 +131,28 @@ class Capacity:
                     room -= amounts[key]
         reported = frozenset(free).union(totals, *(a.keys() for a in held.values()))
         # What exempt work holds (a job back from a preemption, within its cluster's
-        # preempt_exempt_s) is held but cannot be reclaimed yet: it leaves the held amounts.
+        # preempt_exempt_s) leaves the held amounts: no band but the most protected one may
+        # reclaim it yet (iris/policy/preemption.py, ``overrides_exemption``).
+        exempt: dict[Band, dict[str, int]] = {}
         for entry in block.exempt_by_band:
             per_band = held.get(entry.band, {})
             for token, amount in entry.amounts.items():
                 key = token.strip().lower()
                 if key in per_band:
-                    per_band[key] = max(0, per_band[key] - max(0, amount))
-        return cls(free, held, reported)
+                    moved = min(per_band[key], max(0, amount))
+                    per_band[key] -= moved
+                    if moved:
+                        into = exempt.setdefault(entry.band, {})
+                        into[key] = into.get(key, 0) + moved
+        return cls(free, held, reported, exempt)
 
     def copy(self) -> Capacity:
-        return Capacity(dict(self.free), {b: dict(a) for b, a in self.held.items()}, self.reported)
+        return Capacity(
+            dict(self.free),
+            {b: dict(a) for b, a in self.held.items()},
+            self.reported,
+            {b: dict(a) for b, a in self.exempt.items()},
+        )
 
     def verifies(self, token: str) -> bool:
         """Whether this block's numbers speak for ``token``: always for a device token (absent
@@ -146,8 +163,13 @@ class Capacity:
         return self.free.get(token, 0)
 
     def reclaimable(self, token: str, band: Band | None) -> int:
-        """Held capacity of bands strictly lower than ``band`` (None: any band)."""
-        return sum(amounts.get(token, 0) for b, amounts in self.held.items() if band is None or b > band)
+        """Held capacity of bands strictly lower than ``band`` (None: any band), exempt work's
+        included for a band that overrides the exemption (and for None)."""
+        total = sum(amounts.get(token, 0) for b, amounts in self.held.items() if band is None or b > band)
+        if self.exempt and (band is None or overrides_exemption(band)):
+            shielded = self.exempt.items()
+            total += sum(amounts.get(token, 0) for b, amounts in shielded if band is None or b > band)
+        return total
 
     def effective(self, token: str, band: Band | None) -> int:
         return self.idle(token) + self.reclaimable(token, band)
@@ -158,18 +180,22 @@ class Capacity:
         if take:
             self.free[token] -= take
         remaining = amount - take
-        for b in _RECLAIM_ORDER:
-            if remaining <= 0:
-                break
-            if band is not None and b <= band:
-                continue
-            amounts = self.held.get(b)
-            if not amounts:
-                continue
-            taken = min(amounts.get(token, 0), remaining)
-            if taken:
-                amounts[token] -= taken
-                remaining -= taken
+        pools = [self.held]
+        if self.exempt and (band is None or overrides_exemption(band)):
+            pools.append(self.exempt)  # exempt work only once nothing else is left
+        for pool in pools:
+            for b in _RECLAIM_ORDER:
+                if remaining <= 0:
+                    break
+                if band is not None and b <= band:
+                    continue
+                amounts = pool.get(b)
+                if not amounts:
+                    continue
+                taken = min(amounts.get(token, 0), remaining)
+                if taken:
+                    amounts[token] -= taken
+                    remaining -= taken
         return remaining
 
 

@@ -103,12 +103,15 @@ class _Backend:
 
 
 def _levels(cap: Capacity, token: str) -> tuple[int, int, int]:
-    """(idle, available to production, available to interactive) of one token."""
+    """(idle, available to production, available to interactive) of one token; production also
+    reclaims what exempt work holds (iris/policy/preemption.py, ``overrides_exemption``)."""
     free = cap.free.get(token, 0)
     held = cap.held
     batch = held[_BATCH].get(token, 0) if _BATCH in held else 0
     inter = held[_INTERACTIVE].get(token, 0) if _INTERACTIVE in held else 0
-    return free, free + inter + batch, free + batch
+    exempt = cap.exempt
+    shielded = sum(exempt[b].get(token, 0) for b in (_INTERACTIVE, _BATCH) if b in exempt) if exempt else 0
+    return free, free + inter + batch + shielded, free + batch
 
 
 class _Class:

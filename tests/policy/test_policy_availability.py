@@ -91,7 +91,8 @@ class TestBands:
 
     def test_exempt_holdings_are_not_reclaimable(self) -> None:
         """What work back from a preemption holds within its preempt_exempt_s (``exempt_by_band``,
-        a part of ``held_by_band``) is not offered to any band; an older peer's block has none."""
+        a part of ``held_by_band``) is offered to no band but production, which overrides the
+        exemption; an older peer's block has none."""
         b = h100("b", 2, held={Band.BATCH: 4, Band.INTERACTIVE: 8})
         assert b.availability is not None
         block = b.availability.model_copy(
@@ -104,7 +105,8 @@ class TestBands:
             }
         )
         exempt = b.model_copy(update={"availability": block})
-        assert effective_capacity("cw", exempt, "h100", Band.PRODUCTION) == 2 + 1 + 0
+        # Production: idle, batch (1 not exempt + 3 exempt) and interactive (8, all exempt).
+        assert effective_capacity("cw", exempt, "h100", Band.PRODUCTION) == 2 + 4 + 8
         assert effective_capacity("cw", exempt, "h100", Band.INTERACTIVE) == 2 + 1
         assert effective_capacity("cw", exempt, "h100", Band.BATCH) == 2
         # A report without the field (an older peer) reads as before.
@@ -112,6 +114,24 @@ class TestBands:
             b.model_dump_json(exclude={"availability": {"exempt_by_band"}})
         )
         assert effective_capacity("cw", old, "h100", Band.PRODUCTION) == 2 + 4 + 8
+        assert effective_capacity("cw", old, "h100", Band.INTERACTIVE) == 2 + 4
+
+    def test_production_spends_exempt_holdings_last(self) -> None:
+        """A production placement charged to a block takes idle, then reclaimable, then exempt
+        capacity: what is left for the next job reads right for every band."""
+        b = h100("b", 2, held={Band.BATCH: 6})
+        assert b.availability is not None
+        block = b.availability.model_copy(
+            update={"exempt_by_band": [HeldByBand(band=Band.BATCH, amounts={"h100": 4})]}
+        )
+        cap = Capacity.from_block(block)
+        assert (cap.effective("h100", Band.PRODUCTION), cap.effective("h100", Band.INTERACTIVE)) == (8, 4)
+        assert cap.spend("h100", 5, Band.PRODUCTION) == 0  # 2 idle, 2 reclaimable, 1 exempt
+        assert (cap.idle("h100"), cap.effective("h100", Band.INTERACTIVE)) == (0, 0)
+        assert cap.effective("h100", Band.PRODUCTION) == 3
+        copy = cap.copy()
+        assert copy.spend("h100", 4, Band.PRODUCTION) == 1
+        assert cap.effective("h100", Band.PRODUCTION) == 3  # the copy is its own
 
 
 class TestLedger:

@@ -1,7 +1,9 @@
-"""Property tests of the victim choice (docs/DESIGN.md, "Preemption"): among the allowed,
-non-exempt victims that make the job fit, the lowest bands, then the least work lost, then the
-fewest, then by id; never an equal or higher band; ``batch`` preempts nothing; a job back from a
-preemption is never chosen again within ``preempt_exempt_s`` of its restart (issue 29, acceptance 3)."""
+"""Property tests of the victim choice (docs/DESIGN.md, "Preemption"): among the allowed
+victims that make the job fit, the lowest bands, then the fewest exempt ones (``production`` only),
+then the least work lost, then the fewest, then by id; never an equal or higher band; ``batch``
+preempts nothing; a job back from a preemption is never chosen again within ``preempt_exempt_s``
+of its restart by an ``interactive`` job (issue 29, acceptance 3), and by a ``production`` one only
+when nothing else of its band could make room."""
 
 from __future__ import annotations
 
@@ -56,12 +58,20 @@ def _work(task: RunningTask, now_ms: int) -> int:
     return sum(task.amounts.values()) * max(0, now_ms - task.started_ms)
 
 
-def _key(combo: tuple[RunningTask, ...], now_ms: int) -> tuple[int, int, int, int, tuple[str, ...]]:
+def _exempt(task: RunningTask, now_ms: int, exempt_ms: int) -> bool:
+    return exempt_ms > 0 and task.preempted_before > 0 and now_ms - task.started_ms < exempt_ms
+
+
+def _key(
+    combo: tuple[RunningTask, ...], now_ms: int, exempt_ms: int = 0
+) -> tuple[int, int, int, int, int, tuple[str, ...]]:
     """The order, written out: the fewest production then interactive victims (batch ones are
-    weighed by work only), the least work lost, the fewest victims, the smallest sorted ids."""
+    weighed by the rest only), the fewest exempt victims, the least work lost, the fewest victims,
+    the smallest sorted ids."""
     return (
         sum(1 for t in combo if t.band is Band.PRODUCTION),
         sum(1 for t in combo if t.band is Band.INTERACTIVE),
+        sum(1 for t in combo if _exempt(t, now_ms, exempt_ms)),
         sum(_work(t, now_ms) for t in combo),
         len(combo),
         tuple(sorted(t.task_id for t in combo)),
@@ -76,20 +86,20 @@ def _best(
     now_ms: int,
     exempt_ms: int,
 ) -> set[str] | None:
-    """The reference: the best of every subset of the allowed, non-exempt tasks that fits."""
+    """The reference: the best of every subset of the allowed tasks that fits (exempt ones only
+    for a production job, the most protected band)."""
     allowed = [
         t
         for t in running
-        if int(t.band) > int(band)
-        and not (exempt_ms > 0 and t.preempted_before > 0 and now_ms - t.started_ms < exempt_ms)
+        if int(t.band) > int(band) and (band is Band.PRODUCTION or not _exempt(t, now_ms, exempt_ms))
     ]
-    best: tuple[int, int, int, int, tuple[str, ...]] | None = None
+    best: tuple[int, int, int, int, int, tuple[str, ...]] | None = None
     chosen: set[str] | None = None
     for k in range(len(allowed) + 1):
         for combo in itertools.combinations(allowed, k):
             if not _fits(need, free, list(combo)):
                 continue
-            key = _key(combo, now_ms)
+            key = _key(combo, now_ms, exempt_ms)
             if best is None or key < best:
                 best, chosen = key, {t.task_id for t in combo}
     return chosen
@@ -120,9 +130,11 @@ def test_victims_are_the_best_allowed_set(
     assert victims is not None
     ids = [v.task_id for v in victims]
     assert len(ids) == len(set(ids))
-    # Never an equal or higher band, never an exempt task; the release makes the job fit.
+    # Never an equal or higher band, never an exempt task but for production; the release makes
+    # the job fit.
     assert all(int(v.band) > int(band) for v in victims)
-    assert not any(is_exempt(v, now_ms=now, exempt_ms=exempt) for v in victims)
+    if band is not Band.PRODUCTION:
+        assert not any(is_exempt(v, now_ms=now, exempt_ms=exempt) for v in victims)
     assert _fits(need, free, victims)
     assert set(ids) == expected
 
@@ -171,7 +183,7 @@ def test_an_interactive_victim_only_when_batch_cannot_make_room(
 
 @SETTINGS
 @given(
-    band=st.sampled_from([Band.PRODUCTION, Band.INTERACTIVE]),
+    band=st.sampled_from([Band.INTERACTIVE]),
     need=needs,
     free=frees,
     running=running_tasks(),
@@ -188,8 +200,9 @@ def test_a_job_back_from_a_preemption_is_not_chosen_again_within_the_exemption(
     exempt: int,
     data: st.DataObject,
 ) -> None:
-    """Issue 29, acceptance 3: a job preempted and restarted at ``restart`` is no victim at any
-    time before ``restart + exempt``, whatever else runs; from then on it is a candidate again."""
+    """Issue 29, acceptance 3: a job preempted and restarted at ``restart`` is no victim of an
+    interactive job at any time before ``restart + exempt``, whatever else runs; from then on it
+    is a candidate again. (A production job overrides the exemption: the next test.)"""
     came_back = RunningTask(
         "came-back",
         Band.BATCH,
@@ -212,6 +225,34 @@ def test_a_job_back_from_a_preemption_is_not_chosen_again_within_the_exemption(
         assert choose_victims(band, need, free, [came_back], now_ms=ends - 1, exempt_ms=exempt) is None
         later = ends + data.draw(st.integers(0, 1_000))
         assert choose_victims(band, need, free, [came_back], now_ms=later, exempt_ms=exempt) == [came_back]
+
+
+@SETTINGS
+@given(need=needs, free=frees, running=running_tasks(), now=nows, exempt=st.integers(1, 14))
+def test_production_takes_exempt_work_only_when_nothing_else_makes_room(
+    need: dict[str, int], free: dict[str, int], running: list[RunningTask], now: int, exempt: int
+) -> None:
+    """The most protected band never waits for an exemption, and never uses it to churn: it takes
+    an exempt victim only when the same bands' other work cannot make room."""
+    victims = choose_victims(Band.PRODUCTION, need, free, running, now_ms=now, exempt_ms=exempt)
+    every = choose_victims(Band.PRODUCTION, need, free, running, now_ms=now)
+    # Whether it can run does not depend on the exemption.
+    assert (victims is None) == (every is None)
+    if not victims:
+        return
+    taken = [v for v in victims if is_exempt(v, now_ms=now, exempt_ms=exempt)]
+    if taken:
+        # Without them (and with every other allowed task of no more protected band than the
+        # victims' own), nothing fits.
+        top = min(int(v.band) for v in victims)
+        others = [
+            t
+            for t in running
+            if int(t.band) >= top
+            and int(t.band) > int(Band.PRODUCTION)
+            and not is_exempt(t, now_ms=now, exempt_ms=exempt)
+        ]
+        assert not _fits(need, free, others)
 
 
 def test_lowest_band_then_least_work() -> None:
@@ -271,10 +312,14 @@ def test_a_restarted_gang_is_exempt_then_a_candidate_again() -> None:
     interactive = RunningTask("inter/x", Band.INTERACTIVE, {"h100": 8}, started_ms=50)
     tasks = [came_back, fresh, interactive]
     assert choose_victims(Band.PRODUCTION, {"h100": 8}, {}, tasks, now_ms=1_000, exempt_ms=300) == [fresh]
-    # Exempt and alone in its band: the interactive job goes (the only allowed one left).
+    # Exempt and alone in its band: production still takes it rather than the interactive job
+    # (bands first), and takes it rather than wait; an interactive job waits out the exemption.
     assert choose_victims(
         Band.PRODUCTION, {"h100": 8}, {}, [came_back, interactive], now_ms=1_000, exempt_ms=300
-    ) == [interactive]
+    ) == [came_back]
+    assert choose_victims(Band.PRODUCTION, {"h100": 8}, {}, [came_back], now_ms=1_000, exempt_ms=300) == [
+        came_back
+    ]
     assert choose_victims(Band.INTERACTIVE, {"h100": 8}, {}, [came_back], now_ms=1_199, exempt_ms=300) is None
     # The exemption ends 300 ms after the restart; then it has lost less work than the fresh one.
     assert choose_victims(Band.PRODUCTION, {"h100": 8}, {}, tasks, now_ms=1_200, exempt_ms=300) == [came_back]

@@ -300,7 +300,7 @@ async def test_a_job_back_from_a_preemption_is_exempt(tmp_path: Path, exempt_s: 
 
 
 async def test_a_head_waiting_for_an_exempt_run_preempts_it_when_the_exemption_ends(tmp_path: Path) -> None:
-    """Only an exempt batch run holds what the production head needs: nothing is preempted, the
+    """Only an exempt batch run holds what the interactive head needs: nothing is preempted, the
     report says the run's chips are exempt, and when the exemption ends (no other event) the head
     preempts it and starts."""
     exempt_s = 2.0
@@ -308,7 +308,7 @@ async def test_a_head_waiting_for_an_exempt_run_preempts_it_when_the_exemption_e
         c.launch("batch/back", Band.BATCH, 8, preemptions=1)
         await _started(c, "batch/back")
         started = c.executor.get("batch/back").started_ms or 0
-        c.launch("prod/p", Band.PRODUCTION, 8)
+        c.launch("prod/p", Band.INTERACTIVE, 8)
         assert c.state("prod/p") is S.PENDING and not _preempted(c)
         (report,) = c.executor.availability()
         assert report.availability is not None
@@ -321,3 +321,15 @@ async def test_a_head_waiting_for_an_exempt_run_preempts_it_when_the_exemption_e
         assert at.timestamp() * 1000 >= started + exempt_s * 1000 - 10
         (report,) = c.executor.availability()
         assert report.availability is not None and report.availability.exempt_by_band == []
+
+
+async def test_a_production_head_does_not_wait_for_an_exemption(tmp_path: Path) -> None:
+    """The most protected band overrides the exemption (docs/DESIGN.md, "Preemption"): a
+    production head preempts the exempt batch run at once, while a non-exempt batch run of the
+    same size would have been taken first."""
+    async with checked_executor(tmp_path, exempt_s=600.0) as c:
+        c.launch("batch/back", Band.BATCH, 8, preemptions=1)
+        await _started(c, "batch/back")
+        c.launch("prod/p", Band.PRODUCTION, 8)
+        await c.until("prod/p runs", lambda: c.state("prod/p") is S.RUNNING, timeout=20)
+        assert c.state("batch/back") is S.PREEMPTED
