@@ -627,10 +627,13 @@ class BenchStack:
 class PySpy:
     """``py-spy record`` on one process for the length of a phase (raw collapsed stacks)."""
 
-    def __init__(self, pid: int, out: Path, *, rate: int = 50) -> None:
+    def __init__(self, pid: int, out: Path, *, rate: int = 50, gil: bool = False) -> None:
         self.pid = pid
         self.out = out
         self.rate = rate
+        # Only the thread holding the GIL is sampled: Python's own CPU, without the threads that
+        # wait for it (which an ordinary sample counts as busy).
+        self.gil = gil
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> bool:
@@ -651,6 +654,7 @@ class PySpy:
                 "--output",
                 str(self.out),
                 "--nonblocking",
+                *(["--gil"] if self.gil else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -767,7 +767,7 @@ async def run_one(
         drain_window = Window(stack, peers)
         spy: PySpy | None = None
         if args.profile:
-            spy = PySpy(wpid, root / "worker-drain.txt")
+            spy = PySpy(wpid, root / "worker-drain.txt", gil=True)
             spy = spy if spy.start() else None
         drain_window.start()
         gate.release()
@@ -1111,7 +1111,10 @@ def report_one(r: dict[str, Any]) -> None:
         )
     prof = r.get("drain_profile")
     if prof:
-        print("py-spy of the worker over the drain: project code, % of samples: inclusive | deepest frame")
+        print(
+            "py-spy of the worker over the drain (GIL holder only): project code, % of samples: "
+            "inclusive | deepest frame"
+        )
         for (a, pa), (b, pb) in zip(prof["project"]["inclusive"], prof["project"]["self"], strict=False):
             print(f"  {pa:5.1f} {a[:70]:70} | {pb:5.1f} {b[:70]}")
         print("  all code, self time:")
@@ -1414,7 +1417,7 @@ def main() -> None:
         "default, no wait)",
     )
     p.add_argument("--timeout", type=float, default=1800, help="bound on one N's run, seconds")
-    p.add_argument("--profile", action="store_true", help="py-spy the worker over the drain")
+    p.add_argument("--profile", action="store_true", help="py-spy the worker over the drain (GIL holder)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stacks' temp directories")
     add_source_argument(p)
