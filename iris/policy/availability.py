@@ -94,7 +94,7 @@ class Capacity:
         # What each band holds that higher bands may reclaim.
         self.held = held
         # What exempt work of each band holds (a job back from a preemption, within its cluster's
-        # preempt_exempt_s): only the most protected band may reclaim it (``may_override``).
+        # preempt_exempt_s): only the most protected band may reclaim it (``overrides_exemption``).
         self.exempt = exempt if exempt is not None else {}
         # Every token the block names (amounts, totals or held), whatever its value.
         if reported is None:
