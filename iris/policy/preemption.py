@@ -94,11 +94,10 @@ def _best(
 
     A 0/1 knapsack over the lack still to cover (capped at 0 per token). A set's key is the sum of
     its members' keys: (a one per counted band, a one if exempt, work lost, 1, -2^(n-1-r)) with r
-    the member's rank
-    by id, so the bit mask's negation orders sets of one size by their smallest differing id, and
-    decodes the set. Lexicographic order on integer tuples is kept by adding the same tuple to
-    both sides, so extending the best cover of a smaller lack with a member is never worse than
-    extending another: the table is exact."""
+    the member's rank by id, so the bit mask's negation orders sets of one size by their smallest
+    differing id, and decodes the set. Lexicographic order on integer tuples is kept by adding the
+    same tuple to both sides, so extending the best cover of a smaller lack with a member is never
+    worse than extending another: the table is exact."""
     tokens = sorted(lack)
     n = len(pool)
     by_id = sorted(range(n), key=lambda i: (pool[i].task_id, i))
