@@ -55,15 +55,22 @@ class CountingServer:
             writer.close()
 
 
-async def test_one_client_per_cluster_reuses_its_connection() -> None:
+def recording_pool(
+    server: CountingServer, renew_s: float = 60.0
+) -> tuple[ClientPool, list[ControllerClient]]:
+    """A pool of clients of ``server``, and the list of every client it made."""
     made: list[ControllerClient] = []
+
+    def make(cluster: str) -> ControllerClient:
+        made.append(ControllerClient(server.url))
+        return made[-1]
+
+    return ClientPool(make, renew_s=renew_s), made
+
+
+async def test_one_client_per_cluster_reuses_its_connection() -> None:
     async with CountingServer() as server:
-
-        def make(cluster: str) -> ControllerClient:
-            made.append(ControllerClient(server.url))
-            return made[-1]
-
-        pool = ClientPool(make)
+        pool, made = recording_pool(server)
         for _ in range(20):
             async with pool.borrow("c") as client:
                 assert (await client.health()).cluster == "c"
@@ -90,14 +97,8 @@ async def test_without_the_pool_each_request_connects() -> None:
 
 
 async def test_a_renewed_client_closes_the_old_one_once_its_borrowers_return() -> None:
-    made: list[ControllerClient] = []
     async with CountingServer() as server:
-
-        def make(cluster: str) -> ControllerClient:
-            made.append(ControllerClient(server.url))
-            return made[-1]
-
-        pool = ClientPool(make, renew_s=0.0)  # every borrow renews
+        pool, made = recording_pool(server, renew_s=0.0)  # every borrow renews
         async with pool.borrow("c") as first:
             async with pool.borrow("c") as second:
                 assert second is not first
