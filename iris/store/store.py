@@ -797,7 +797,8 @@ class FederationStore:
         jobs classified to run at home, say, while each start changes home's observation). So is
         the reservation of a handed-off job while the newer observation is older than the moment
         its cluster accepted it (``counted_from_ms``): a report taken before the launch but stored
-        after the handoff does not count the job either.
+        after the handoff does not count the job either. A handed-off job's charge on the newest
+        observation goes as soon as that observation counts it (its ``counted_from_ms`` is no later).
         """
         seen: dict[tuple[str, str], int] = {}
         for report in reports:
@@ -833,7 +834,23 @@ class FederationStore:
                 newer = seen.get((r.peer_id, r.backend_id))
                 return since is not None and newer is not None and newer < since
 
+            def counted(r: Reservation) -> bool:
+                """Charged to the newest observation, which counts the job already: its charge was
+                carried there while home still showed the job promoted, and the cluster had
+                accepted it by then. Kept, it would count the job twice until the cluster changed
+                again (a peer that looks full changes no more)."""
+                since = counted_from.get(r.job_id)
+                newer = seen.get((r.peer_id, r.backend_id))
+                return (
+                    r.job_id not in promoted
+                    and since is not None
+                    and newer is not None
+                    and r.observation_epoch_ms == newer
+                    and since <= newer
+                )
+
             gone = [r for r in outdated if not uncounted(r)]
+            gone += [r for r in current if _reservation_key(r) in live and counted(r)]
             t = reservations_table
             for r in outdated:
                 newer = seen.get((r.peer_id, r.backend_id))

@@ -333,3 +333,33 @@ def test_a_promotion_before_the_prune_still_counts_charges_the_new_observation_c
     # An observation as new as b's acceptance counts b: only a's charge is left against it.
     store.save_reports([report(PEER, gpu_backend(free=16, epoch=EPOCH + 6))])
     assert store.promote("c", "inc-1", placement("c", epoch=EPOCH + 6), NOW).promoted
+
+
+def test_a_charge_carried_to_an_observation_that_counts_the_job_leaves_once_it_is_handed_off(
+    store: FederationStore,
+) -> None:
+    """A promoted job's charge moves to a newer observation while home has not yet recorded the
+    handoff, though the cluster accepted the job before that observation was taken. Once the
+    handoff records when (``counted_from_ms``), that same observation counts the job: its charge
+    leaves the ledger at the next prune, without waiting for another change on the cluster.
+    Kept, it counted the job twice, and a peer that changed no more looked full for ever
+    (1,000 jobs over two peers: 19 left queued beside 31 free devices)."""
+    store.save_reports([report(PEER, gpu_backend(free=8))])
+    store.enqueue(handle("a", submit_ms=1))
+    store.enqueue(handle("b", submit_ms=2))
+    assert store.promote("a", "inc-1", placement("a"), NOW).promoted
+    # The cluster accepts a at EPOCH + 5 by its clock; its observation at EPOCH + 7 counts it,
+    # but home still shows a promoted: the charge is carried to EPOCH + 7.
+    store.save_reports([report(PEER, gpu_backend(free=8, epoch=EPOCH + 7))])
+    assert store.prune_reservations(store.load_reports()) == 0
+    assert [(r.job_id, r.observation_epoch_ms) for r in store.reservations()] == [("a", EPOCH + 7)]
+    assert store.set_state("a", "inc-1", HandleState.HANDED_OFF, counted_from_ms=EPOCH + 5) is not None
+    # No newer observation: the one stored counts a, so a's charge goes.
+    assert store.prune_reservations(store.load_reports()) == 1
+    assert store.reservations() == []
+    won = store.promote("b", "inc-1", placement("b", epoch=EPOCH + 7), NOW)
+    assert won.promoted, won.message
+    # A handed-off job the stored observation cannot count yet keeps its charge.
+    assert store.set_state("b", "inc-1", HandleState.HANDED_OFF, counted_from_ms=EPOCH + 8) is not None
+    assert store.prune_reservations(store.load_reports()) == 0
+    assert [r.job_id for r in store.reservations()] == ["b"]
