@@ -24,7 +24,7 @@ from iris.config import ConfigError, FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.jobs import WaitReason
-from iris.policy import plan_request
+from iris.policy import HandoffPace, plan_request
 from iris.policy.fairshare import held_devices, user_shares
 from iris.policy.models import (
     DeviceRequest,
@@ -36,6 +36,7 @@ from iris.policy.models import (
     RunningOn,
     WaitingGroup,
 )
+from iris.policy.pacing import held_by_cap
 from iris.reports import FederationView, gather_reports
 from iris.store.models import Fence
 
@@ -235,8 +236,8 @@ class TickOutcome(BaseModel):
     unreachable: list[str]
     plan_ms: float
     total_ms: float
-    # A waiting job was held back by a peer's per-tick cap (PlanResult.capped): the manager ticks
-    # again at once instead of after its interval.
+    # A waiting job was held back by a peer's per-tick cap, not its pace (iris/policy/pacing.py,
+    # held_by_cap): the manager ticks again at once instead of after its interval.
     saturated: bool = False
     # Handles ended because their workflow had closed; attempts confirmed ended on clusters that
     # answer again.
@@ -273,6 +274,10 @@ class PlacementActivities:
         # again, and they are skipped until they fall out of the window.
         self._reconciled_runs: dict[tuple[str, str], float] = {}
         self.metrics = TickMetrics(max(STALE_GAUGES_MIN_S, STALE_GAUGES_TICKS * config.tick_interval_s))
+        # Each cluster's handoff pace (docs/DESIGN.md, "Handoff pacing"), in this process: a tick
+        # sends a cluster at most what its bucket holds. Several workers ticking in turn each pace
+        # on their own, so the federation's bound is the rate × the workers that tick.
+        self._pace = HandoffPace(config.handoffs_per_s) if config.handoffs_per_s is not None else None
 
     def _holds_moved(self, holds: list[Hold]) -> set[str]:
         """The jobs whose held devices moved since they were last signalled: held anew, on another
@@ -429,6 +434,8 @@ class PlacementActivities:
             for h in queued
             if h.job_id in offered
         ]
+        paced_at = time.monotonic()
+        allowance = self._pace.allowance([r.peer_id for r in reports], paced_at) if self._pace else {}
         t0 = time.perf_counter()
         result = plan_request(
             PlanRequest(
@@ -439,6 +446,7 @@ class PlacementActivities:
                 now_ms=now_ms,
                 stale_after_ms=view.stale_after_ms,
                 max_per_peer=inp.max_per_peer,
+                allowance=allowance,
                 in_use=holding,
                 fair_share=self._config.fair_share(),
                 backfill=self._config.backfill_policy(),
@@ -446,8 +454,12 @@ class PlacementActivities:
         )
         plan_ms = (time.perf_counter() - t0) * 1000
         offered_at = time.monotonic()
+        sent: dict[str, int] = {}
         for p in result.placements:
             self._offers[p.job_id] = (offered_at, p)
+            sent[p.peer_id] = sent.get(p.peer_id, 0) + 1
+        if self._pace is not None:
+            self._pace.spend(sent, paced_at)
         reasons = {job_id: group.summary for group in result.waiting for job_id in group.job_ids}
         codes = {job_id: group.code for group in result.waiting for job_id in group.job_ids}
         changed = await asyncio.to_thread(store.update_reasons, reasons, codes)
@@ -483,7 +495,7 @@ class PlacementActivities:
         return TickOutcome(
             abandoned=abandoned,
             fenced=fenced,
-            saturated=result.capped,
+            saturated=held_by_cap(result),
             at_ms=now_ms,
             queued=len(queued),
             offered=len(offered),

@@ -498,10 +498,12 @@ class FederationConfig(BaseModel):
     # The federation store (queue handles, reservation ledger, reports). Empty = SQLite file in the
     # data directory; IRIS_STORE_URL overrides (e.g. postgresql+psycopg://user@host/db).
     store_url: str = ""
-    # The placement tick (docs/DESIGN.md, "The tick"): its period, and how many jobs one tick may
-    # send to one peer.
+    # The placement tick (docs/DESIGN.md, "The tick"): its period. Each cluster is protected by a
+    # rate of handoffs a second (a token bucket holding one second's worth; docs/DESIGN.md,
+    # "Handoff pacing"), and optionally by a cap per tick as well; None: no such limit.
     tick_interval_s: float = Field(default=1.0, gt=0, le=60)
-    max_per_peer_per_tick: int | None = Field(default=8, ge=1)
+    handoffs_per_s: float | None = Field(default=50.0, gt=0, le=10_000)
+    max_per_peer_per_tick: int | None = Field(default=None, ge=1)
     # Fair share and aging within a band (docs/DESIGN.md, "Fair share and aging"): a user's jobs go
     # as if submitted later by this × their dominant share of the devices in use (0 to 1), so a job
     # goes ahead of every job of its band submitted more than this after it. 0: FIFO in a band.

@@ -51,6 +51,7 @@ from iris.policy.models import (
     WaitingGroup,
     WaitKind,
 )
+from iris.policy.pacing import HandoffPace, PeerLimits
 from iris.policy.planner import plan, plan_request
 from iris.policy.reference import plan_reference
 from iris.policy.routing import (
@@ -84,11 +85,13 @@ __all__ = [
     "DeviceRequest",
     "Disposition",
     "FairShare",
+    "HandoffPace",
     "HeldByBand",
     "Hold",
     "JobExplanation",
     "JobShape",
     "Op",
+    "PeerLimits",
     "PeerReport",
     "PeerStatus",
     "PeerVerdict",

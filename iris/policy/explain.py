@@ -40,6 +40,10 @@ def cap_message(cap: int) -> str:
     return f"per-tick cap of {cap} placements reached"
 
 
+def pace_message() -> str:
+    return "handoff rate reached: placements to this cluster are paced"
+
+
 def full_message(token: str, needed: int, band: Band, available: int) -> str:
     return f"full: needs {needed} {token} at band {band.label}, {available} available"
 
@@ -99,7 +103,13 @@ def summarize(pinned: str | None, verdicts: Sequence[PeerVerdict]) -> str:
             # One job's FULL verdicts share its token and need; only what is available differs.
             parts.append(f"full on {peers} (needs {vs[0].needed} {vs[0].token})")
         elif kind is WaitKind.PER_TICK_CAP:
-            parts.append(f"per-tick cap reached on {peers}")
+            # A paced cluster (iris/policy/pacing.py) and a capped one say which limit holds.
+            paced = [p for v in vs if v.message == pace_message() for p in v.peer_ids]
+            capped = [p for v in vs if v.message != pace_message() for p in v.peer_ids]
+            if paced:
+                parts.append(f"handoff rate reached on {_peers(paced)} (paced)")
+            if capped:
+                parts.append(f"per-tick cap reached on {_peers(capped)}")
         elif kind is WaitKind.NO_SHAPE:
             parts.append(f"no matching backend on {peers}")
         elif kind is WaitKind.UNREACHABLE:

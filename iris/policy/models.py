@@ -367,6 +367,9 @@ class PlanRequest(BaseModel):
     now_ms: int
     stale_after_ms: int = Field(ge=0)
     max_per_peer: int | None = Field(default=None, ge=1)
+    # Placements each paced cluster may take this tick, from its handoff rate (iris/policy/pacing.py);
+    # a cluster not named is not paced.
+    allowance: dict[str, int] = Field(default_factory=dict)
     # The jobs holding devices now (promoted or handed off, or offered a placement): what each
     # user's fair share and caps count.
     in_use: list[JobShape] = Field(default_factory=list)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 from bisect import bisect_left, insort
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from iris.policy.availability import (
     CPU_TOKEN,
@@ -36,7 +36,6 @@ from iris.policy.availability import (
 )
 from iris.policy.backfill import Releases, Slot, admits, choose_hold, held_summary, take, usable
 from iris.policy.explain import (
-    cap_message,
     full_message,
     reason_code,
     stale_message,
@@ -62,6 +61,7 @@ from iris.policy.models import (
     WaitingGroup,
     WaitKind,
 )
+from iris.policy.pacing import PeerLimits
 from iris.policy.reasons import ReasonCode
 from iris.policy.reference import peer_order, placement_reason, unique_backends
 from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
@@ -207,11 +207,11 @@ class _Tick:
         reservations: Sequence[Reservation],
         now_ms: int,
         stale_after_ms: int,
-        max_per_peer: int | None,
+        limits: PeerLimits,
         releases: Releases | None = None,
     ) -> None:
         self.home = home
-        self.max_per_peer = max_per_peer
+        self.limits = limits
         # Backfill (iris/policy/backfill.py): None when off. Holds by slot, and by token the
         # indexes of the backends holding for someone.
         self.releases = releases
@@ -265,7 +265,8 @@ class _Tick:
         # (backend index, token) -> gated classes listing that (non-home, verified) backend.
         self.lists_of: dict[tuple[int, str], list[_Class]] = {}
         self.placed_on: dict[str, int] = {}
-        self.capped: set[str] = set()
+        # A cluster whose bucket is empty takes nothing this tick.
+        self.capped: set[str] = {p for p in limits.allowance if limits.reached(p, 0)}
         self.no_shape_cache: dict[tuple[int, str], str] = {}
         self.satisfying_cache: dict[int, list[set[int]]] = {}
         self.peer_indexes = {pid: frozenset(b.idx for b in own) for pid, own in self.all_backends.items()}
@@ -432,7 +433,7 @@ class _Tick:
         """Charge a placement; the held job's id if it was backfilled ahead of one."""
         count = self.placed_on.get(peer_id, 0) + 1
         self.placed_on[peer_id] = count
-        if self.max_per_peer is not None and count >= self.max_per_peer:
+        if self.limits.reached(peer_id, count):
             self.capped.add(peer_id)
         if b is None or b.cap is None or token is None or not b.cap.verifies(token):
             return None
@@ -549,8 +550,7 @@ class _Tick:
             elif not (members := cls.by_peer.get(pid)):
                 key = (WaitKind.NO_SHAPE, self.no_shape(cls, pid))
             elif pid in self.capped:
-                assert self.max_per_peer is not None
-                key = (WaitKind.PER_TICK_CAP, cap_message(self.max_per_peer))
+                key = (WaitKind.PER_TICK_CAP, self.limits.message(pid))
             else:
                 assert token is not None  # anything ungated or shape-only would have been placed
                 holds = self.holds
@@ -647,6 +647,7 @@ def plan(
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
     backfill: Backfill | None = None,
+    allowance: Mapping[str, int] | None = None,
 ) -> PlanResult:
     """Decide this tick's placements; see the module docstring for the rules.
 
@@ -657,7 +658,9 @@ def plan(
     A job id listed twice keeps its first entry. ``in_use`` are the jobs holding devices now, what
     each user's fair share and caps count (:mod:`iris.policy.fairshare`) and, where they run and
     since when, backfill (:mod:`iris.policy.backfill`); ``fair_share`` and ``backfill`` their
-    settings (default: :class:`FairShare`'s and :class:`Backfill`'s).
+    settings (default: :class:`FairShare`'s and :class:`Backfill`'s). A peer takes at most
+    ``max_per_peer`` placements, and at most its ``allowance`` if it has one (its handoff pace,
+    :mod:`iris.policy.pacing`).
     """
     # A tick allocates a few objects per queued job. On a 50k-job queue a cyclic collection in the
     # middle of it scans the whole queue and can double the tick, so collection waits until after.
@@ -672,7 +675,7 @@ def plan(
             reservations,
             now_ms,
             stale_after_ms,
-            max_per_peer,
+            PeerLimits(max_per_peer, allowance or {}),
             in_use,
             fair_share or FairShare(),
             backfill or Backfill(),
@@ -689,13 +692,13 @@ def _plan(
     reservations: Sequence[Reservation],
     now_ms: int,
     stale_after_ms: int,
-    max_per_peer: int | None,
+    limits: PeerLimits,
     in_use: Sequence[JobShape],
     policy: FairShare,
     backfill: Backfill,
 ) -> PlanResult:
     releases = Releases(in_use, backfill, now_ms) if backfill.enabled else None
-    tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, max_per_peer, releases)
+    tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, limits, releases)
     shares = Shares(in_use, federation_totals(reports), policy)
     turns = Turns(unique_jobs(jobs), shares)
     capping = policy.quotas.any
@@ -849,4 +852,5 @@ def plan_request(request: PlanRequest) -> PlanResult:
         in_use=request.in_use,
         fair_share=request.fair_share,
         backfill=request.backfill,
+        allowance=request.allowance,
     )

@@ -9,12 +9,11 @@ and the benchmark times both.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from iris.policy.availability import Capacity, PeerStatus, gate, is_verified, peer_status, working_capacity
 from iris.policy.backfill import Releases, Slot, admits, choose_hold, held_summary, take, usable
 from iris.policy.explain import (
-    cap_message,
     full_message,
     group_verdicts,
     merge_groups,
@@ -41,6 +40,7 @@ from iris.policy.models import (
     Reservation,
     WaitKind,
 )
+from iris.policy.pacing import PeerLimits
 from iris.policy.reasons import ReasonCode
 from iris.policy.routing import constraint_holds, job_constraints, normalize_attributes, pinned_cluster
 
@@ -100,6 +100,7 @@ def plan_reference(
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
     backfill: Backfill | None = None,
+    allowance: Mapping[str, int] | None = None,
 ) -> PlanResult:
     return plan_turns(
         jobs,
@@ -112,6 +113,7 @@ def plan_reference(
         in_use=in_use,
         fair_share=fair_share,
         backfill=backfill,
+        allowance=allowance,
     )[0]
 
 
@@ -127,8 +129,10 @@ def plan_turns(
     in_use: Sequence[JobShape] = (),
     fair_share: FairShare | None = None,
     backfill: Backfill | None = None,
+    allowance: Mapping[str, int] | None = None,
 ) -> tuple[PlanResult, list[str]]:
     """:func:`plan_reference`, and the job ids in the order their turns came."""
+    limits = PeerLimits(max_per_peer, allowance or {})
     peers = peer_order(reports, home)
     status = {p.peer_id: peer_status(p, now_ms, stale_after_ms) for p in peers}
     capacity: dict[tuple[str, str], Capacity | None] = {}
@@ -185,7 +189,7 @@ def plan_turns(
                 continue
             if pin and pin != p.peer_id:
                 continue
-            if max_per_peer is not None and placed_on.get(p.peer_id, 0) >= max_per_peer:
+            if limits.reached(p.peer_id, placed_on.get(p.peer_id, 0)):
                 continue
             not_home = int(p.peer_id != home)
             shape_matched = False
@@ -225,9 +229,7 @@ def plan_turns(
         if best is None:
             waiting.append((position, job, pin))
             if releases is not None and need is not None:
-                open_peers = [
-                    p for p in peers if max_per_peer is None or placed_on.get(p.peer_id, 0) < max_per_peer
-                ]
+                open_peers = [p for p in peers if not limits.reached(p.peer_id, placed_on.get(p.peer_id, 0))]
                 hold = _hold(job, need, pin, open_peers, status, capacity, attrs, holds, releases)
                 if hold is not None:
                     holds[(hold.peer_id, hold.backend_id, hold.token)] = hold
@@ -271,7 +273,7 @@ def plan_turns(
     held_for = {h.job_id: h for h in held}
     for position, job, pin in waiting:
         verdicts = _verdicts(
-            job, pin, peers, status, capacity, attrs, placed_on, max_per_peer, stale_after_ms, holds
+            job, pin, peers, status, capacity, attrs, placed_on, limits, stale_after_ms, holds
         )
         fit = _alone_fits(job, pin, verdicts, initial, attrs)
         summary, code = summarize(pin, verdicts), reason_code(pin, verdicts, fit)
@@ -366,7 +368,7 @@ def _verdicts(
     capacity: dict[tuple[str, str], Capacity | None],
     attrs: dict[tuple[str, str], dict[str, frozenset[str]]],
     placed_on: dict[str, int],
-    max_per_peer: int | None,
+    limits: PeerLimits,
     stale_after_ms: int,
     holds: dict[Slot, Hold],
 ) -> list[PeerVerdict]:
@@ -392,8 +394,8 @@ def _verdicts(
             message = no_shape_message(constraints, advertised)
             rows.append((p.peer_id, WaitKind.NO_SHAPE, message, None, None, None))
             continue
-        if max_per_peer is not None and placed_on.get(p.peer_id, 0) >= max_per_peer:
-            rows.append((p.peer_id, WaitKind.PER_TICK_CAP, cap_message(max_per_peer), None, None, None))
+        if limits.reached(p.peer_id, placed_on.get(p.peer_id, 0)):
+            rows.append((p.peer_id, WaitKind.PER_TICK_CAP, limits.message(p.peer_id), None, None, None))
             continue
         # Only verified, gated backends can be left full (anything else always fits).
         assert need is not None

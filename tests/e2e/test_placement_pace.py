@@ -137,3 +137,33 @@ async def test_a_tick_that_fills_the_cap_is_followed_at_once_by_another(
     # One placement per tick: without the immediate re-tick the last job would wait for the
     # 30 s interval (the submissions' wake-ups are spent by then).
     await wait_until(all_handed_off, timeout=20, what="all six jobs to be handed off, one per tick")
+
+
+async def test_a_paced_cluster_is_sent_no_more_than_its_rate(
+    stack: Stack, own_store: FederationStore
+) -> None:
+    """Handoff pacing (docs/DESIGN.md, "Handoff pacing"): with 2 handoffs a second and no cap per
+    tick, the first tick sends the cluster its bucket (2), the jobs left wait on the pace (not
+    "saturated": the next tick comes after the interval), and over the ticks that follow the
+    cluster is never sent more than the burst plus the rate × the time gone by."""
+    cfg = stack.config.model_copy(deep=True)
+    cfg.handoffs_per_s = 2.0
+    cfg.max_per_peer_per_tick = None
+    ticks = WorkflowlessTick(cfg, own_store, offer_lease_s=600.0)
+    env = ActivityEnvironment(client=stack.client)
+    jobs = [enqueue(own_store, f"paced-{i}", target_cluster="cw-us-east-02a") for i in range(6)]
+    started = time.monotonic()
+    first = await tick(env, ticks, None)
+    assert first.placed == jobs[:2] and not first.saturated, first
+    waiting = {h.job_id: h.reason for h in own_store.queued()}
+    assert all("paced" in (waiting[j] or "") for j in jobs[2:]), waiting
+    placed = list(first.placed)
+
+    async def all_placed() -> bool:
+        placed.extend((await tick(env, ticks, None)).placed)
+        elapsed = time.monotonic() - started
+        assert len(placed) <= 2 + 2.0 * elapsed + 1e-6, (len(placed), elapsed)
+        return len(placed) == len(jobs)
+
+    await wait_until(all_placed, timeout=30, interval=0.2, what="the paced jobs to be offered")
+    assert sorted(placed) == sorted(jobs)
