@@ -199,7 +199,12 @@ class PeerActivities:
         if self._store is None:
             return view
         store = self._store
-        reservations, stored = await asyncio.to_thread(lambda: (store.reservations(), store.load_reports()))
+        # Home's reservations only: classification counts home's capacity net of the ledger and
+        # nothing else's (iris/policy/classify.py), and each job's history keeps this view, so a
+        # burst's charges on the peers would otherwise ride in every history (O(jobs) each).
+        reservations, stored = await asyncio.to_thread(
+            lambda: (store.reservations(peer_id=view.home), store.load_reports())
+        )
         update: dict[str, object] = {"reservations": reservations, "reports": _last_contacts(view, stored)}
         quotas = self._config.quotas.policy()
         if quotas.any:

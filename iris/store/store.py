@@ -773,13 +773,17 @@ class FederationStore:
 
     # ---- the reservation ledger ----------------------------------------------------------------
 
-    def reservations(self) -> list[Reservation]:
-        """Every confirmed reservation, by (peer, backend, observation, job)."""
+    def reservations(self, peer_id: str | None = None) -> list[Reservation]:
+        """Every confirmed reservation (on ``peer_id`` only, if given), by (peer, backend,
+        observation, job)."""
 
         def body(conn: Connection) -> list[Reservation]:
             t = reservations_table
+            query = select(t)
+            if peer_id is not None:
+                query = query.where(t.c.peer_id == peer_id)
             rows = conn.execute(
-                select(t).order_by(t.c.peer_id, t.c.backend_id, t.c.observation_epoch_ms, t.c.job_id)
+                query.order_by(t.c.peer_id, t.c.backend_id, t.c.observation_epoch_ms, t.c.job_id)
             )
             return [_row_reservation(r) for r in rows]
 
