@@ -136,6 +136,14 @@ def check_running(run: Run, tmp: Path) -> None:
     assert left and all(v == (0, 0) for v in left.values()), left
 
 
+def check_placement(run: Run, tmp: Path) -> None:
+    out = run.stdout
+    assert re.search(r"all 6 RUNNING [\d.]+s after the first submit", out), out
+    assert _dict_after("peer states", out) == {"SUCCEEDED": 6}
+    assert "workflows still open 0" in out
+    assert "placement ticks in the ramp:" in out and "history per job up to RUNNING" in out
+
+
 def check_trace(run: Run, tmp: Path) -> None:
     out = run.stdout
     m = re.search(r"trace: seed 1, (\d+) jobs", out)
@@ -217,6 +225,7 @@ SMOKES = [
     Smoke("bundles", check_bundles),
     Smoke("controller_requests", check_controller_requests),
     Smoke("running", check_running),
+    Smoke("placement", check_placement),
     Smoke("trace", check_trace),
     # The same trace with the GPU peers on a single-node Slurm (issue 30).
     Smoke("trace", check_trace, ("--backend", "slurm"), needs=slurm_available, name="trace-slurm"),
