@@ -79,6 +79,7 @@ from iris.jobs import (
     JobStatus,
     ReplayRequest,
     log_key,
+    start_memo,
     start_search_attributes,
     user_prefix,
 )
@@ -561,6 +562,7 @@ class AsyncIrisClient:
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
                 search_attributes=start_search_attributes(spec),
+                memo=start_memo(),
                 static_summary=spec.summary(),
                 static_details=f"command: {' '.join(spec.command)[:500]}",
             )
@@ -598,6 +600,7 @@ class AsyncIrisClient:
                 # Only over a closed run; the check above said it was a refused one.
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
                 search_attributes=start_search_attributes(spec),
+                memo=start_memo(),
                 static_summary=spec.summary(),
                 static_details=f"command: {' '.join(spec.command)[:500]}",
             )

@@ -111,6 +111,9 @@ REQUEUE_JOB = "requeue_job"
 RECORD_FENCE = "record_fence"
 PLACEMENT_TICK = "placement_tick"
 VERIFY_REQUEST = "verify_request"
+# The signature check and the capacity read of a new job, in one activity (ADMISSION: the baseline
+# job-baseline-2027-01).
+ADMIT_SUBMISSION = "admit_submission"
 WATCH_PEER = "watch_peer"
 READ_QUEUE_POSITIONS = "read_queue_positions"
 PLAN_DRY_RUN = "plan_dry_run"
@@ -181,6 +184,7 @@ ACTIVITY_NAMES = (
     RECORD_FENCE,
     PLACEMENT_TICK,
     VERIFY_REQUEST,
+    ADMIT_SUBMISSION,
     WATCH_PEER,
     READ_QUEUE_POSITIONS,
     PLAN_DRY_RUN,

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 
 from iris.bundle import BundleRef
-from iris.contract import SA_BAND, SA_DEVICE_VARIANT, SA_REASON, SA_STATE, SA_SUBMITTER
+from iris.contract import MEMO_REASON, SA_BAND, SA_DEVICE_VARIANT, SA_REASON, SA_STATE, SA_SUBMITTER
 from iris.controller.artifacts import MAX_ARTIFACTS, MAX_URI_CHARS
 from iris.controller.models import (
     MAX_COMMAND_ARGS,
@@ -532,6 +532,16 @@ class CancelOutcome(BaseModel):
     won: bool
     state: JobState
     message: str
+
+
+# A new job's reason while it is classified: its status's first, and the memo it starts with.
+CLASSIFYING_REASON = "Classifying against the federation's capacity reports"
+
+
+def start_memo() -> dict[str, str]:
+    """The memo a job's workflow starts with: its first reason, so `iris job list` shows it from the
+    first moment and (a run begun with the 2027-01 baseline) the workflow need not write it."""
+    return {MEMO_REASON: CLASSIFYING_REASON}
 
 
 def start_search_attributes(spec: JobSpec) -> TypedSearchAttributes:

@@ -12,8 +12,9 @@ Regenerate after every change to workflows/ (one command, about a minute)::
 
 Then commit the files: the test suite replays each against the workflow code it ships with. The
 prefixed files (``v1-*``, recorded before ``local-store-steps-v1``; ``v2-*``, before
-``job-baseline-2026-12``; ``v3-*``, before ``launch-before-staging-v1``) keep the paths of runs
-begun by older code replayable; this script never writes them.
+``job-baseline-2026-12``; ``v3-*``, before ``launch-before-staging-v1``; ``v4-*``, before
+``job-baseline-2027-01``) keep the paths of runs begun by older code replayable; this script never
+writes them.
 """
 
 from __future__ import annotations

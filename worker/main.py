@@ -12,6 +12,7 @@ from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.worker import Worker
 
+from activities.admission import AdmissionActivities
 from activities.artifacts import ArtifactActivities
 from activities.auth import AuthActivities
 from activities.inquiry import InquiryActivities
@@ -97,6 +98,7 @@ def job_activities(
     inquiry = InquiryActivities(config, store)
     return [
         auth.verify_request,
+        AdmissionActivities(auth, peers).admit_submission,
         peers.fetch_reports,
         peers.launch_job,
         peers.stage_bundle,

@@ -127,6 +127,12 @@ LOCAL_CONFIRM_PATCH = "local-end-confirm-v1"
 # through ``authenticates``). A run that predates it finds no marker and asks each patch as before;
 # a patch added after it is asked on its own again.
 BASELINE_PATCH = "job-baseline-2026-12"
+# Runs with this patch take BASELINE_PATCH's features and LAUNCH_FIRST_PATCH without asking
+# either, and admit a new job with one activity (ADMISSION: admit_submission checks the signature
+# and reads the capacity reports, activities/admission.py) instead of verify_request then
+# fetch_reports: one activity and one workflow task fewer per job (issue 31). Asked first in
+# every run's first task, before BASELINE_PATCH; a run that predates it replays as before.
+BASELINE_2027_PATCH = "job-baseline-2027-01"
 # Patches after the baseline, each asked on its own.
 #
 # Runs with this patch launch a job that has a workspace bundle at once, and stage the bundle
@@ -164,6 +170,8 @@ class Features:
     requeues: bool = False
     # LOCAL_CONFIRM_PATCH: a reported end is read back from its cluster by a local activity.
     local_confirm: bool = False
+    # BASELINE_2027_PATCH: a new job is admitted by one activity (signature and reports).
+    admits: bool = False
 
 
 def read(
@@ -227,6 +235,7 @@ def _from_baseline(
     if fresh:
         classifying(True, True)
     return Features(
+        admits=current_baseline(),
         checked=True,
         reasons=True,
         local_steps=True if fresh else carried_local_steps,
@@ -251,10 +260,17 @@ def authenticates() -> bool:
 
 
 def baseline() -> bool:
-    """BASELINE_PATCH: asked first in every run's first task (by ``read`` or ``authenticates``).
-    The SDK memoizes the answer, so a later question here writes nothing: yes for a run that
-    began with the patch, no for one that began before it (its replay found no marker)."""
-    return workflow.patched(BASELINE_PATCH)
+    """BASELINE_PATCH, or the later BASELINE_2027_PATCH that implies it: asked first in every run's
+    first task (by ``read`` or ``authenticates``). The SDK memoizes each answer, so a later
+    question here writes nothing: yes for a run that began with either, no for one that began
+    before both (its replay found no marker). A run begun with the later one never asks the
+    earlier (one marker per run)."""
+    return current_baseline() or workflow.patched(BASELINE_PATCH)
+
+
+def current_baseline() -> bool:
+    """BASELINE_2027_PATCH: the first patch every run's first task asks (through ``baseline``)."""
+    return workflow.patched(BASELINE_2027_PATCH)
 
 
 def home_ledger() -> bool:
@@ -268,8 +284,9 @@ def stages_bundle() -> bool:
 
 
 def launches_first() -> bool:
-    """LAUNCH_FIRST_PATCH: asked at a handoff of a job that has a bundle (after BUNDLE_PATCH)."""
-    return workflow.patched(LAUNCH_FIRST_PATCH)
+    """LAUNCH_FIRST_PATCH: asked at a handoff of a job that has a bundle (after BUNDLE_PATCH);
+    taken without asking by a run begun with BASELINE_2027_PATCH."""
+    return current_baseline() or workflow.patched(LAUNCH_FIRST_PATCH)
 
 
 def relays_terminal_launch() -> bool:

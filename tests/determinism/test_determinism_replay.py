@@ -10,8 +10,10 @@ activities, upserts only on change): runs started then take the unpatched branch
 those branches replayable for as long as the code carries them. ``v2-*.json`` were recorded before
 ``BASELINE_PATCH`` (issue 31: one marker per run), each patch asked on its own; the unprefixed ones
 with it. ``v3-*.json`` were recorded with the baseline before a later patch changed their path
-(``LAUNCH_FIRST_PATCH``: a bundle staged only when the launch finds it missing). The recorder never
-overwrites a prefixed one.
+(``LAUNCH_FIRST_PATCH``: a bundle staged only when the launch finds it missing). ``v4-*.json`` were
+recorded with ``BASELINE_PATCH`` (and ``LAUNCH_FIRST_PATCH`` where a bundle was handed off) before
+``BASELINE_2027_PATCH`` (one activity admits a new job); the unprefixed ones with that. The
+recorder never overwrites a prefixed one.
 
 They were recorded without payload encryption, and replay with the worker's converter holding a
 payload key ring (docs/SECURITY.md, "Payload encryption"): payloads without the codec's encoding
@@ -37,6 +39,7 @@ from iris.temporal import data_converter
 from workflows.job import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
+    BASELINE_2027_PATCH,
     BASELINE_PATCH,
     BUNDLE_PATCH,
     EARLIER_ATTEMPT_PATCH,
@@ -137,6 +140,8 @@ AFTER_BASELINE = {
     "bundle_already_held": LAUNCH_FIRST_PATCH,
 }
 REQUIRED_BEFORE_LATER_PATCHES = {"v3-bundled_handed_off"}
+# Runs begun with BASELINE_PATCH, before BASELINE_2027_PATCH: every job path, and the later ones.
+REQUIRED_BEFORE_2027 = {f"v4-{name}" for name in JOB_PATHS | set(PATCHED_PATHS) | set(AFTER_BASELINE)}
 HISTORY_DIR = Path(__file__).parent / "histories"
 STAGING = (contract.STAGE_BUNDLE, contract.LAUNCH_JOB)
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
@@ -161,6 +166,8 @@ def test_every_main_path_has_a_committed_history() -> None:
     assert not missing, f"missing histories {sorted(missing)}: a later path not recorded with the baseline"
     missing = (set(AFTER_BASELINE) | REQUIRED_BEFORE_LATER_PATCHES) - present
     assert not missing, f"missing histories {sorted(missing)}: a patch after the baseline lost its check"
+    missing = REQUIRED_BEFORE_2027 - present
+    assert not missing, f"missing histories {sorted(missing)}: a 2026-12 baseline run lost its check"
 
 
 def patches(path: Path) -> set[str]:
@@ -190,12 +197,35 @@ def test_later_paths_are_recorded_through_their_patches() -> None:
 
 
 def test_pre_baseline_histories_ask_each_patch_and_new_ones_only_the_baseline() -> None:
-    """BASELINE_PATCH: a run begun with it writes one patch marker, whatever path it takes."""
+    """BASELINE_PATCH: a run begun with it writes one patch marker, whatever path it takes (and
+    LAUNCH_FIRST_PATCH, asked on its own after it). BASELINE_2027_PATCH: one marker, whatever."""
     for path in HISTORY_DIR.glob("v[12]-*.json"):
         assert BASELINE_PATCH not in patches(path), f"{path.name} was recorded with the baseline"
     for name in JOB_PATHS | set(PATCHED_PATHS):
         later = {AFTER_BASELINE[name]} if name in AFTER_BASELINE else set()
-        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH} | later, name
+        assert patches(HISTORY_DIR / f"v4-{name}.json") == {BASELINE_PATCH} | later, name
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_PATCH}, name
+
+
+def test_runs_begun_with_the_2027_baseline_are_admitted_by_one_activity() -> None:
+    """BASELINE_2027_PATCH: the signature check and the capacity read are one activity; a run
+    begun before it asked each (and replays so)."""
+    checked = 0
+    for name in sorted(JOB_PATHS | set(PATCHED_PATHS)):
+        before = activities_of(HISTORY_DIR / f"v4-{name}.json")
+        after = activities_of(HISTORY_DIR / f"{name}.json")
+        assert contract.ADMIT_SUBMISSION not in before, name
+        if before[:1] != [contract.VERIFY_REQUEST]:
+            continue  # refused before any check (a malformed start)
+        checked += 1
+        assert after[:1] == [contract.ADMIT_SUBMISSION], (name, after)
+        # The submission's own check went into the admission (a cancel's or replay's still verifies).
+        assert after.count(contract.VERIFY_REQUEST) == before.count(contract.VERIFY_REQUEST) - 1, name
+        if before[1:2] == [contract.FETCH_REPORTS]:
+            # And the classification's capacity read with it (a vetting's read again stays).
+            fetched = (before.count(contract.FETCH_REPORTS), after.count(contract.FETCH_REPORTS))
+            assert fetched[1] == fetched[0] - 1, (name, before, after)
+    assert checked >= 10, checked
 
 
 def activities_of(path: Path) -> list[str]:
@@ -209,7 +239,9 @@ def activities_of(path: Path) -> list[str]:
 
 def test_paths_after_the_baseline_take_their_patch_and_older_runs_do_not() -> None:
     for name, patch in AFTER_BASELINE.items():
-        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH, patch}, name
+        assert patches(HISTORY_DIR / f"v4-{name}.json") == {BASELINE_PATCH, patch}, name
+        # The 2027-01 baseline takes it without asking.
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_PATCH}, name
     for name in REQUIRED_BEFORE_LATER_PATCHES:
         assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH}, name
     # Before: staged, then launched. After: launched, found missing, staged, launched again; or
@@ -269,7 +301,7 @@ def test_histories_end_where_their_name_says() -> None:
         "parked_released_retaken": "SUCCEEDED",
         "parked_retake_requeued": "SUCCEEDED",
     }
-    for name, state in [(f"{v}{n}", s) for n, s in expected.items() for v in ("", "v2-")]:
+    for name, state in [(f"{v}{n}", s) for n, s in expected.items() for v in ("", "v2-", "v4-")]:
         history = load(HISTORY_DIR / f"{name}.json")
         assert workflow_type_of(history) == "JobWorkflow"
         last = history.events[-1]

@@ -55,9 +55,9 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     # The attempt is followed through its cluster's watcher, with no activity while it runs; one
     # mirror_job reads its end and relays its output, a local activity in the task that took the
     # watcher's signal (docs/DESIGN.md, "The change feed": local-end-confirm-v1). The submitter's
-    # signature is checked first, on the queue like the capacity read (docs/DESIGN.md, "User →
-    # home").
-    expected = {"verify_request": 1, "fetch_reports": 1, "promote_job": 1, "launch_job": 1}
+    # signature is checked first, on the queue, in the same activity as the capacity read
+    # (admit_submission, the job-baseline-2027-01 baseline; docs/DESIGN.md, "User → home").
+    expected = {"admit_submission": 1, "promote_job": 1, "launch_job": 1}
     assert scheduled == Counter(expected), scheduled
     markers = [
         e.marker_recorded_event_attributes

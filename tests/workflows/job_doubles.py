@@ -29,6 +29,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.admission import Admission
 from activities.artifacts import ArtifactInput, ArtifactReport
 from activities.auth import AuthActivities, VerifyInput
 from activities.peers import (
@@ -55,7 +56,7 @@ from iris import contract
 from iris.bundle import BundleRef
 from iris.controller.models import ControllerJobState, TaskStatus
 from iris.controller.models import JobStatus as RemoteStatus
-from iris.jobs import JobSpec, JobState, JobStatus, start_search_attributes
+from iris.jobs import JobSpec, JobState, JobStatus, start_memo, start_search_attributes
 from iris.policy.models import Availability, BackendReport, DeviceRequest, PeerReport, Placement
 from iris.reports import FederationView
 from iris.store.models import CancelResult, HandleState, JobHandle, PromoteOutcome, PromoteResult
@@ -341,6 +342,7 @@ class FakeFederation:
     def activities(self) -> list[Callable[..., Awaitable[Any]]]:
         return [
             self.verify_request,
+            self.admit_submission,
             self.fetch_reports,
             self.enqueue_job,
             self.promote_job,
@@ -370,6 +372,18 @@ class FakeFederation:
         if self.auth is not None:
             return await self.auth.verify_request(inp)
         return Principal(name=inp.owner, roles=("user",))
+
+    @activity.defn(name=contract.ADMIT_SUBMISSION)
+    async def admit_submission(self, inp: VerifyInput) -> Admission:
+        """As the worker's (activities/admission.py): the two doubles above, in one activity; their
+        calls are recorded (and held) under their own names."""
+        try:
+            principal = await self.verify_request(inp)
+        except ApplicationError as exc:
+            if exc.type != contract.UNAUTHENTICATED:
+                raise
+            return Admission(refusal=exc.message)
+        return Admission(principal=principal, view=await self.fetch_reports())
 
     # ---- peers ----
 
@@ -747,15 +761,17 @@ async def env_now_ms(env: WorkflowEnvironment) -> int:
 
 
 async def start_job(
-    env: WorkflowEnvironment, spec: JobSpec, task_queue: str
+    env: WorkflowEnvironment, spec: JobSpec, task_queue: str, *, memo: bool = True
 ) -> WorkflowHandle[Any, JobStatus]:
-    """Start the job's workflow as the SDK does: its id is the job id, with its search attributes."""
+    """Start the job's workflow as the SDK does: its id is the job id, with its search attributes
+    and its memo (``memo=False``: as a client before the start memo)."""
     return await env.client.start_workflow(
         JobWorkflow.run,
         spec,
         id=spec.job_id,
         task_queue=task_queue,
         search_attributes=start_search_attributes(spec),
+        memo=start_memo() if memo else None,
     )
 
 

@@ -1,5 +1,7 @@
-"""One patch marker per run (BASELINE_PATCH; docs/DESIGN.md, "Determinism check": "One marker per
-run"; issue 31). Each ``workflow.patched`` that answers yes writes a marker and an upsert of
+"""One patch marker per run (BASELINE_2027_PATCH, before it BASELINE_PATCH; docs/DESIGN.md,
+"Determinism check": "One marker per run"; issue 31).
+
+Each ``workflow.patched`` that answers yes writes a marker and an upsert of
 ``TemporalChangeVersion`` that the server indexes; a run begun with the baseline takes every patch
 before it through its one marker, on every path, the patches asked late included (the bundle's,
 the home ledger's). Runs begun before it replay their own markers (tests/determinism, ``v2-*``)."""
@@ -10,14 +12,14 @@ import json
 from typing import Any
 
 import pytest
-from job_doubles import BUNDLE, Federation, cpu_spec, gpu_spec, wait_for
+from job_doubles import BUNDLE, Federation, cpu_spec, gpu_spec, start_job, wait_for
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import WorkflowHandle
 
 import workflows.job.steps.common as common
 from iris import contract
 from iris.jobs import JobState, JobStatus
-from workflows.job import BASELINE_PATCH, LAUNCH_FIRST_PATCH, JobWorkflow
+from workflows.job import BASELINE_2027_PATCH, JobWorkflow
 
 
 async def history(handle: WorkflowHandle[Any, JobStatus]) -> list[HistoryEvent]:
@@ -47,8 +49,8 @@ def first_task_end(events: list[HistoryEvent]) -> int:
 
 
 async def test_a_handed_off_bundled_job_writes_the_baseline_and_one_later_marker(fed: Federation) -> None:
-    """The bundle's own patch (BUNDLE_PATCH) comes through the baseline; LAUNCH_FIRST_PATCH, added
-    after it, is asked on its own where the bundle is handed off."""
+    """The bundle's own patches (BUNDLE_PATCH, and LAUNCH_FIRST_PATCH, asked on its own by a run
+    begun with the 2026-12 baseline) come through the 2027-01 baseline."""
     handle = await fed.queued(
         gpu_spec("baseline-bundled", fed.now_ms, bundle=BUNDLE, artifacts=["s3://ckpt/x"])
     )
@@ -57,8 +59,8 @@ async def test_a_handed_off_bundled_job_writes_the_baseline_and_one_later_marker
     assert st.state is JobState.SUCCEEDED, st.reason
     assert contract.STAGE_BUNDLE in fed.fake.calls  # staged: BUNDLE_PATCH taken
     events = await history(handle)
-    assert patch_ids(events) == [BASELINE_PATCH, LAUNCH_FIRST_PATCH]
-    assert change_version_upserts(events) == 2
+    assert patch_ids(events) == [BASELINE_2027_PATCH]
+    assert change_version_upserts(events) == 1
     # The marker stands in the first task's commands, first of them.
     marker = next(i for i, e in enumerate(events) if e.HasField("marker_recorded_event_attributes"))
     assert marker == first_task_end(events) + 1
@@ -70,7 +72,7 @@ async def test_a_job_run_at_home_through_the_ledger_writes_one_patch_marker(fed:
     assert st.state is JobState.SUCCEEDED, st.reason
     assert fed.fake.promotions, "home capacity not taken through the CAS: HOME_LEDGER_PATCH not taken"
     events = await history(handle)
-    assert patch_ids(events) == [BASELINE_PATCH]
+    assert patch_ids(events) == [BASELINE_2027_PATCH]
     assert change_version_upserts(events) == 1
 
 
@@ -93,6 +95,40 @@ async def test_a_continued_run_writes_one_patch_marker_too(
     continued = (await latest.describe()).run_id
     assert continued != first.result_run_id, "the run never continued as new"
     events = await history(fed.env.client.get_workflow_handle(spec.job_id, run_id=continued))
-    assert patch_ids(events) == [BASELINE_PATCH]
+    assert patch_ids(events) == [BASELINE_2027_PATCH]
     assert change_version_upserts(events) == 1
-    assert patch_ids(await history(first)) == [BASELINE_PATCH]
+    assert patch_ids(await history(first)) == [BASELINE_2027_PATCH]
+
+
+async def test_a_new_job_is_admitted_by_one_activity_and_starts_with_its_memo(fed: Federation) -> None:
+    """The 2027-01 baseline: the signature check and the capacity read are one activity
+    (admit_submission), and the memo the client starts the run with is not written again."""
+    handle = await fed.queued(gpu_spec("baseline-admitted", fed.now_ms))
+    events = await history(handle)
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    ]
+    assert scheduled == [contract.ADMIT_SUBMISSION], scheduled
+    assert fed.fake.calls[:2] == [contract.VERIFY_REQUEST, contract.FETCH_REPORTS]
+    memos = [
+        e.workflow_properties_modified_event_attributes.upserted_memo.fields[contract.MEMO_REASON].data
+        for e in events
+        if e.HasField("workflow_properties_modified_event_attributes")
+    ]
+    assert all(b"Classifying" not in m for m in memos), memos
+
+
+async def test_a_start_without_the_memo_gets_it_written(fed: Federation) -> None:
+    """A client that predates the start memo: the run writes the first reason itself."""
+    spec = gpu_spec("baseline-no-memo", fed.now_ms)
+    handle = await start_job(fed.env, spec, fed.task_queue, memo=False)
+    fed.handles.append(handle)
+    await wait_for(handle, lambda s: s.state is JobState.QUEUED_HANDOFF, "queued")
+    memos = [
+        e.workflow_properties_modified_event_attributes.upserted_memo.fields[contract.MEMO_REASON].data
+        for e in await history(handle)
+        if e.HasField("workflow_properties_modified_event_attributes")
+    ]
+    assert b"Classifying" in memos[0], memos

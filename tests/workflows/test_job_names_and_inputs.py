@@ -46,7 +46,9 @@ async def rejected(fed: Federation, handle: Handle, code: ReasonCode) -> JobStat
 
 
 def nothing_started(fed: Federation, *, verified: bool = False) -> None:
-    assert fed.fake.calls == ([contract.VERIFY_REQUEST] if verified else [])
+    # A verified statement was checked by the admission, which reads the reports with it (only
+    # reads: nothing enqueued, promoted or delivered).
+    assert fed.fake.calls == ([contract.VERIFY_REQUEST, contract.FETCH_REPORTS] if verified else [])
     assert fed.fake.enqueued == [] and fed.fake.promotions == [] and fed.fake.delivered == 0
 
 

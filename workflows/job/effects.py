@@ -19,6 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.exceptions import CancelledError as TemporalCancelledError
 
 with workflow.unsafe.imports_passed_through():
+    from activities.admission import Admission, AdmissionActivities
     from activities.auth import AuthActivities, VerifyInput
     from activities.peers import (
         FindInput,
@@ -120,10 +121,11 @@ async def fetch_reports() -> FederationView:
     )
 
 
-async def verify(ctx: Ctx, action: Action, statement: str, request: BaseModel, received_ms: int) -> Principal:
-    """The verified principal; ApplicationError with the one-line reason otherwise."""
+def _verify_input(
+    ctx: Ctx, action: Action, statement: str, request: BaseModel, received_ms: int
+) -> VerifyInput:
     spec = ctx.run.spec
-    inp = VerifyInput(
+    return VerifyInput(
         statement=statement,
         action=action,
         job_id=spec.job_id,
@@ -132,6 +134,32 @@ async def verify(ctx: Ctx, action: Action, statement: str, request: BaseModel, r
         production=action is Action.SUBMIT and spec.band is Band.PRODUCTION,
         received_ms=received_ms,
     )
+
+
+async def admit(ctx: Ctx, received_ms: int) -> tuple[Principal, FederationView]:
+    """ADMISSION (the 2027-01 baseline): the submission's signature checked and the capacity
+    reports read, in one activity (activities/admission.py); ApplicationError with the one-line
+    reason if the statement does not verify. Regular, as each of the two was: the first workflow
+    task holds no local activity (``fetch_reports``)."""
+    spec = ctx.run.spec
+    inp = _verify_input(ctx, Action.SUBMIT, spec.signature, spec, received_ms)
+    try:
+        admission: Admission = await workflow.execute_activity_method(
+            AdmissionActivities.admit_submission, inp, start_to_close_timeout=QUICK, retry_policy=AUTH_RETRY
+        )
+    except ActivityError as exc:
+        if is_cancellation(exc):
+            raise
+        raise ApplicationError(f"the signature could not be checked: {exc.cause or exc}") from None
+    if admission.refusal is not None or admission.principal is None or admission.view is None:
+        refused = admission.refusal or "the admission answered nothing"
+        raise ApplicationError(refused, type=contract.UNAUTHENTICATED)
+    return admission.principal, admission.view
+
+
+async def verify(ctx: Ctx, action: Action, statement: str, request: BaseModel, received_ms: int) -> Principal:
+    """The verified principal; ApplicationError with the one-line reason otherwise."""
+    inp = _verify_input(ctx, action, statement, request, received_ms)
     try:
         return await workflow.execute_activity_method(
             AuthActivities.verify_request, inp, start_to_close_timeout=QUICK, retry_policy=AUTH_RETRY

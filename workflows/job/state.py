@@ -18,7 +18,16 @@ from temporalio.common import RawValue
 with workflow.unsafe.imports_passed_through():
     from activities.watch import Observation
     from iris.controller.models import JobStatus as ControllerJobStatus
-    from iris.jobs import CancelRequest, JobEvent, JobSpec, JobState, JobStatus, ReplayRequest, attempt_nonce
+    from iris.jobs import (
+        CLASSIFYING_REASON,
+        CancelRequest,
+        JobEvent,
+        JobSpec,
+        JobState,
+        JobStatus,
+        ReplayRequest,
+        attempt_nonce,
+    )
     from iris.payloadconverter import reason as unreadable_reason
     from iris.policy.models import Placement
     from iris.policy.reasons import ReasonCode
@@ -166,7 +175,7 @@ def new_run(spec: JobSpec | None, workflow_id: str) -> JobRun:
     status = JobStatus(
         job_id=spec.job_id,
         state=JobState.CLASSIFYING,
-        reason="Classifying against the federation's capacity reports",
+        reason=CLASSIFYING_REASON,
         reason_code=ReasonCode.Pending,
         submit_ms=spec.submit_ms,
         updated_ms=spec.submit_ms,
@@ -264,3 +273,5 @@ class Ctx:
     # carries a JobRun without continuing a run.
     refused_input: str | None = None
     forged_carry: bool = False
+    # The view the admission read with the signature check (Features.admits), for classification.
+    admitted_view: FederationView | None = None

@@ -194,6 +194,11 @@ class JobWorkflow:
             run.sa_reason = workflow.info().typed_search_attributes.get(contract.SA_REASON)
         if local_steps:
             run.sa_state = JobState.CLASSIFYING.value  # set by the client at start
+        if versions.current_baseline():
+            # The memo the client started the run with (iris/jobs.py, start_memo), if it did:
+            # what it holds need not be written again. Asked only by a run begun with the 2027-01
+            # baseline (memoized by read, which asked it first): an older run wrote its memo here.
+            run.memo_reason = workflow.memo_value(contract.MEMO_REASON, None, type_hint=str)
         transitions.event(ctx, JobState.CLASSIFYING, run.status.reason)
         transitions.move(ctx, JobState.CLASSIFYING, run.status.reason)
 

@@ -88,11 +88,14 @@ async def authenticate(ctx: Ctx) -> Phase | None:
     (or whose principal may not submit it) ends REJECTED, having started nothing."""
     run = ctx.run
     started = workflow.info().workflow_start_time
+    # Expiry is judged when Temporal accepted the start, not when a worker got to it.
+    received_ms = int(started.timestamp() * 1000)
     try:
-        # Expiry is judged when Temporal accepted the start, not when a worker got to it.
-        principal = await effects.verify(
-            ctx, Action.SUBMIT, run.spec.signature, run.spec, int(started.timestamp() * 1000)
-        )
+        if ctx.features.admits:
+            # One activity checks the signature and reads the reports classification needs.
+            principal, ctx.admitted_view = await effects.admit(ctx, received_ms)
+        else:
+            principal = await effects.verify(ctx, Action.SUBMIT, run.spec.signature, run.spec, received_ms)
     except ApplicationError as exc:
         reason = f"{_REFUSED}: {exc.message}"
         return await common.finish(ctx, JobState.REJECTED, reason, ReasonCode.SubmissionRefused)
@@ -115,7 +118,9 @@ async def classified(ctx: Ctx) -> Classification:
     workflow.metric_meter().create_counter(
         metrics.JOBS_SUBMITTED, "Jobs whose workflow began classifying them"
     ).add(1, common.metric_labels(ctx))
-    view = await effects.fetch_reports()
+    view, ctx.admitted_view = ctx.admitted_view, None
+    if view is None:
+        view = await effects.fetch_reports()
     decision = classify(
         run.spec.shape(),
         home=view.home,
