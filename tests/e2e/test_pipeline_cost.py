@@ -21,7 +21,7 @@ from iris.contract import job_workflow_id
 from iris.jobs import JobState
 from iris.policy.models import Availability, BackendReport, DeviceRequest, JobShape, PeerReport, Placement
 from iris.store import FederationStore, JobHandle
-from workflows.job import BASELINE_PATCH
+from workflows.job import BASELINE_2027_PATCH
 
 H100 = {"device_type": "h100", "gpu_count": 8}
 BACKENDS = "GET /v1/backends"
@@ -74,7 +74,7 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
     # One patch marker for the whole run: every earlier patch comes through the baseline (docs/
     # DESIGN.md, "One marker per run"), so one TemporalChangeVersion upsert, not one per patch.
     taken = [decoded(m.details["patch-data"])[0] for m in markers if m.marker_name == "core_patch"]
-    assert taken == [{"id": BASELINE_PATCH, "deprecated": False}], taken
+    assert taken == [{"id": BASELINE_2027_PATCH, "deprecated": False}], taken
     change_versions = [
         e
         for e in history.events
