@@ -10,12 +10,13 @@ retried like the check alone.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.auth import AuthActivities, VerifyInput
-from activities.peers import PeerActivities
 from iris import contract
 from iris.reports import FederationView
 from iris.userauth import Principal
@@ -29,8 +30,14 @@ class Admission(BaseModel):
     refusal: str | None = None
 
 
+class ReportsReader(Protocol):
+    """What reads the capacity reports (activities/peers.py, ``PeerActivities``)."""
+
+    async def fetch_reports(self) -> FederationView: ...
+
+
 class AdmissionActivities:
-    def __init__(self, auth: AuthActivities, peers: PeerActivities) -> None:
+    def __init__(self, auth: AuthActivities, peers: ReportsReader) -> None:
         self._auth = auth
         self._peers = peers
 

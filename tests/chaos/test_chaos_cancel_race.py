@@ -29,6 +29,7 @@ from temporalio import activity
 from temporalio.client import WorkflowFailureError
 from temporalio.worker import Worker
 
+from activities.admission import AdmissionActivities
 from activities.artifacts import ArtifactInput, ArtifactReport
 from activities.auth import AuthActivities
 from activities.peers import (
@@ -230,6 +231,7 @@ async def race(stack: Stack, tmp_path: Path) -> AsyncIterator[StubRace]:
         workflows=[JobWorkflow],
         activities=[
             auth.verify_request,
+            AdmissionActivities(auth, peer).admit_submission,
             peer.fetch_reports,
             peer.launch_job,
             peer.mirror_job,
