@@ -305,7 +305,7 @@ class FederationStore:
             )
             shapes: list[JobShape] = []
             for shape, peer_id, backend_id, since_ms in rows:
-                parsed = _parse_shape(shape)
+                parsed = JobShape.model_validate_json(shape)
                 if peer_id and backend_id:
                     where = RunningOn(peer_id=peer_id, backend_id=backend_id, since_ms=since_ms)
                     parsed = parsed.model_copy(update={"running_on": where})
@@ -1009,25 +1009,8 @@ def _locked(conn: Connection, job_id: str, incarnation: str) -> JobHandle | None
 _CODES = frozenset(code.value for code in ReasonCode)
 
 
-# Parsed shapes by their stored JSON: a handle's shape never changes once enqueued, and every tick
-# reads the whole queue and every job holding devices (10,000 of them cost ~0.3 s of parsing a tick).
-# Shared, so never mutated (the tick copies a shape it annotates); bounded by clearing.
-_SHAPES: dict[str, JobShape] = {}
-_SHAPES_MAX = 200_000
-
-
-def _parse_shape(text: str) -> JobShape:
-    shape = _SHAPES.get(text)
-    if shape is None:
-        shape = JobShape.model_validate_json(text)
-        if len(_SHAPES) >= _SHAPES_MAX:
-            _SHAPES.clear()
-        _SHAPES[text] = shape
-    return shape
-
-
 def _row_handle(row: Row[Any]) -> JobHandle:
-    shape = _parse_shape(row.shape)
+    shape = JobShape.model_validate_json(row.shape)
     return JobHandle(
         job_id=row.job_id,
         incarnation=row.incarnation,

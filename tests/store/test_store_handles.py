@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from store_factories import NOW, PEER, gpu_backend, handle, placement, report
 
-from iris.policy.models import Band, JobShape
+from iris.policy.models import Band
 from iris.store import (
     CANCELLED_BEFORE_HANDOFF,
     FederationStore,
@@ -237,29 +237,3 @@ def test_in_use_is_the_shapes_of_the_promoted_and_handed_off_jobs(store: Federat
     payload = old.shape.model_dump(exclude={"user"})
     assert "user" not in payload
     assert JobHandle(job_id="dave/old", incarnation="inc-1", shape=payload).shape.user == ""  # type: ignore[arg-type]
-
-
-def test_a_shape_is_parsed_once_however_often_the_tick_reads_it(
-    store: FederationStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every tick reads the whole queue and every job holding devices; a handle's stored shape
-    never changes, so each distinct shape is parsed once, not once a tick."""
-    import iris.store.store as store_module
-
-    store_module._SHAPES.clear()
-    parsed: list[str] = []
-    real = store_module.JobShape.model_validate_json
-
-    def counting(text: str | bytes) -> JobShape:
-        parsed.append(str(text))
-        return real(text)
-
-    monkeypatch.setattr(store_module.JobShape, "model_validate_json", counting)
-    for job_id in ("s1", "s2", "s3"):
-        store.enqueue(handle(job_id))
-    first = [h.shape for h in store.queued()]
-    assert len(parsed) == 3
-    for _ in range(5):
-        again = [h.shape for h in store.queued()]
-    assert len(parsed) == 3 and again == first
-    assert [s.job_id for s in first] == ["s1", "s2", "s3"]
