@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.auth import AuthActivities, VerifyInput
+from activities.auth import VerifyInput
 from iris import contract
 from iris.reports import FederationView
 from iris.userauth import Principal
@@ -30,6 +30,12 @@ class Admission(BaseModel):
     refusal: str | None = None
 
 
+class RequestVerifier(Protocol):
+    """What checks a signed statement (activities/auth.py, ``AuthActivities``)."""
+
+    async def verify_request(self, inp: VerifyInput) -> Principal: ...
+
+
 class ReportsReader(Protocol):
     """What reads the capacity reports (activities/peers.py, ``PeerActivities``)."""
 
@@ -37,7 +43,7 @@ class ReportsReader(Protocol):
 
 
 class AdmissionActivities:
-    def __init__(self, auth: AuthActivities, peers: ReportsReader) -> None:
+    def __init__(self, auth: RequestVerifier, peers: ReportsReader) -> None:
         self._auth = auth
         self._peers = peers
 

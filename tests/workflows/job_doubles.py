@@ -29,7 +29,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from activities.admission import Admission
+from activities.admission import AdmissionActivities
 from activities.artifacts import ArtifactInput, ArtifactReport
 from activities.auth import AuthActivities, VerifyInput
 from activities.peers import (
@@ -342,7 +342,9 @@ class FakeFederation:
     def activities(self) -> list[Callable[..., Awaitable[Any]]]:
         return [
             self.verify_request,
-            self.admit_submission,
+            # The worker's own admission over the two doubles below: their calls are recorded
+            # (and held) under their own names.
+            AdmissionActivities(self, self).admit_submission,
             self.fetch_reports,
             self.enqueue_job,
             self.promote_job,
@@ -372,18 +374,6 @@ class FakeFederation:
         if self.auth is not None:
             return await self.auth.verify_request(inp)
         return Principal(name=inp.owner, roles=("user",))
-
-    @activity.defn(name=contract.ADMIT_SUBMISSION)
-    async def admit_submission(self, inp: VerifyInput) -> Admission:
-        """As the worker's (activities/admission.py): the two doubles above, in one activity; their
-        calls are recorded (and held) under their own names."""
-        try:
-            principal = await self.verify_request(inp)
-        except ApplicationError as exc:
-            if exc.type != contract.UNAUTHENTICATED:
-                raise
-            return Admission(refusal=exc.message)
-        return Admission(principal=principal, view=await self.fetch_reports())
 
     # ---- peers ----
 
