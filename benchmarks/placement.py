@@ -62,7 +62,7 @@ from benchmarks.harness import (
     uptime_line,
     write_json,
 )
-from benchmarks.running import BENCH_UIDS_FROM, Gate, controller_db, fresh_jobs, read_jobs
+from benchmarks.running import USER, Gate, controller_db, fresh_jobs, read_jobs, sandboxes_for
 from benchmarks.scale import manager_runs
 from benchmarks.smoke import parse_args
 from benchmarks.source import add_source_argument, source_label
@@ -70,7 +70,6 @@ from iris.client import AsyncIrisClient, build_spec
 from iris.config import FederationConfig
 
 TASK_QUEUE = "iris-bench-sweep"  # not "...-placement": that suffix names the tick's own queue
-USER = "bench-running@bench.local"  # fresh_jobs (benchmarks/running.py) submits as this user
 PEER = "cw-us-east-02a"
 
 
@@ -78,16 +77,11 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> Any:
     slots = n + 8
 
     def apply(cfg: FederationConfig) -> None:
-        for i, c in enumerate(cfg.clusters):
+        for c in cfg.clusters:
             for b in c.backends:
                 if b.devices:
                     b.devices = {t: slots for t in b.devices} if c.name == PEER else {}
-            if "sandbox_ro_paths" in type(c).model_fields:
-                c.sandbox_ro_paths = [*c.sandbox_ro_paths, str(gate.dir)]
-            if "sandbox_uids" in type(c).model_fields:
-                # A root controller's pool of job uids, with room for every job (as benchmarks.running).
-                first = BENCH_UIDS_FROM + i * 100_000
-                c.sandbox_uids = f"{first}-{first + slots + 63}"
+        sandboxes_for(cfg, gate, slots)
         if args.max_per_peer is not None:
             cfg.max_per_peer_per_tick = args.max_per_peer if args.max_per_peer > 0 else None
         if args.handoffs_per_s is not None:

@@ -479,18 +479,23 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[F
             if "worker" not in type(cfg).model_fields:
                 raise SystemExit("--cached-workflows: the measured revision has no [worker] settings")
             cfg.worker.max_cached_workflows = args.cached_workflows
-        for i, c in enumerate(cfg.clusters):
-            # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
-            if "sandbox_ro_paths" in type(c).model_fields:
-                c.sandbox_ro_paths = [*c.sandbox_ro_paths, str(gate.dir)]
-            # A root controller runs each job as a uid of its pool, and the default pool (584 uids,
-            # shared by the host's controllers) holds fewer jobs than N: each cluster gets a pool of
-            # its own with room for its slots, in the range systemd leaves unused (65536-524287).
-            if "sandbox_uids" in type(c).model_fields:
-                first = BENCH_UIDS_FROM + i * BENCH_UIDS_PER_CLUSTER
-                c.sandbox_uids = f"{first}-{first + max(slots, 64) + 63}"
+        sandboxes_for(cfg, gate, slots)
 
     return apply, slots
+
+
+def sandboxes_for(cfg: FederationConfig, gate: Gate, slots: int) -> None:
+    """Every cluster's sandboxed jobs shown the gate, and a pool of job uids with room for ``slots``."""
+    for i, c in enumerate(cfg.clusters):
+        # A revision without the job sandbox has no such field: its jobs see /tmp as it is.
+        if "sandbox_ro_paths" in type(c).model_fields:
+            c.sandbox_ro_paths = [*c.sandbox_ro_paths, str(gate.dir)]
+        # A root controller runs each job as a uid of its pool, and the default pool (584 uids,
+        # shared by the host's controllers) holds fewer jobs than N: each cluster gets a pool of
+        # its own with room for its slots, in the range systemd leaves unused (65536-524287).
+        if "sandbox_uids" in type(c).model_fields:
+            first = BENCH_UIDS_FROM + i * BENCH_UIDS_PER_CLUSTER
+            c.sandbox_uids = f"{first}-{first + max(slots, 64) + 63}"
 
 
 async def start_worker_with_metrics(stack: BenchStack) -> str | None:

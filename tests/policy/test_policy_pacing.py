@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from policy_factories import NOW, STALE, backend, peer
 from test_policy_properties import HOME, SETTINGS, federations, job_shapes
 
-from iris.policy import DeviceRequest, HandoffPace, JobShape, PeerLimits, PeerReport, plan, plan_reference
+from iris.policy import DeviceRequest, HandoffPace, JobShape, PeerLimits, PlanResult, plan, plan_reference
 from iris.policy.explain import cap_message, pace_message
 from iris.policy.models import WaitKind
 from iris.policy.pacing import held_by_cap
@@ -88,32 +88,31 @@ def test_the_lower_of_cap_and_allowance_binds_and_names_itself() -> None:
     assert not PeerLimits().reached("a", 10_000)
 
 
-def _gpu_jobs(n: int) -> list[JobShape]:
-    return [
-        JobShape(job_id=f"j{i:03d}", submit_ms=i, device=DeviceRequest(type="gpu", variant="h100", count=1))
-        for i in range(n)
-    ]
-
-
-def _federation() -> list[PeerReport]:
+def _sweep(n: int, *, max_per_peer: int | None = None, allowance: dict[str, int]) -> PlanResult:
+    """One tick over ``n`` one-GPU jobs, two peers with 64 H100 each (home has no GPU)."""
     gpu = {"device-type": ["gpu"], "device-variant": ["h100"]}
-    return [
+    reports = [
         peer(HOME),
         peer("cw-a", backend("h100-a", gpu, free={"h100": 64})),
         peer("cw-b", backend("h100-b", gpu, free={"h100": 64})),
     ]
-
-
-def test_a_tick_sends_a_paced_cluster_its_allowance_and_the_rest_elsewhere() -> None:
-    reports = _federation()
-    result = plan(
-        _gpu_jobs(12),
+    jobs = [
+        JobShape(job_id=f"j{i:03d}", submit_ms=i, device=DeviceRequest(type="gpu", variant="h100", count=1))
+        for i in range(n)
+    ]
+    return plan(
+        jobs,
         home=HOME,
         reports=reports,
         now_ms=NOW,
         stale_after_ms=STALE,
-        allowance={"cw-a": 3, "cw-b": 5},
+        max_per_peer=max_per_peer,
+        allowance=allowance,
     )
+
+
+def test_a_tick_sends_a_paced_cluster_its_allowance_and_the_rest_elsewhere() -> None:
+    result = _sweep(12, allowance={"cw-a": 3, "cw-b": 5})
     by_peer: dict[str, int] = {}
     for p in result.placements:
         by_peer[p.peer_id] = by_peer.get(p.peer_id, 0) + 1
@@ -129,28 +128,13 @@ def test_a_tick_sends_a_paced_cluster_its_allowance_and_the_rest_elsewhere() -> 
 
 
 def test_an_empty_bucket_takes_nothing_this_tick() -> None:
-    result = plan(
-        _gpu_jobs(4),
-        home=HOME,
-        reports=_federation(),
-        now_ms=NOW,
-        stale_after_ms=STALE,
-        allowance={"cw-a": 0, "cw-b": 0},
-    )
+    result = _sweep(4, allowance={"cw-a": 0, "cw-b": 0})
     assert result.placements == []
     assert [len(g.job_ids) for g in result.waiting] == [4]
 
 
 def test_a_cap_below_the_allowance_binds_and_asks_for_another_tick() -> None:
-    result = plan(
-        _gpu_jobs(12),
-        home=HOME,
-        reports=_federation(),
-        now_ms=NOW,
-        stale_after_ms=STALE,
-        max_per_peer=2,
-        allowance={"cw-a": 3, "cw-b": 5},
-    )
+    result = _sweep(12, max_per_peer=2, allowance={"cw-a": 3, "cw-b": 5})
     assert len(result.placements) == 4
     peers = [v for g in result.waiting for v in g.verdicts if HOME not in v.peer_ids]
     assert {v.message for v in peers} == {cap_message(2)}
