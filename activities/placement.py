@@ -219,6 +219,8 @@ class TickMetrics:
 
 
 class TickInput(BaseModel):
+    # Ignored: the cap per tick is the ticking worker's config (``max_per_peer_per_tick``), read at
+    # every tick. Kept so that a manager started before (whose input carries it) still decodes.
     max_per_peer: int | None = None
 
 
@@ -243,6 +245,9 @@ class TickOutcome(BaseModel):
     # answer again.
     abandoned: int = 0
     fenced: int = 0
+    # The ticking worker's ``tick_interval_s``: the manager waits this long before the next tick
+    # (None from a worker before it: the manager's own input).
+    interval_s: float | None = None
 
 
 class PlacementActivities:
@@ -445,7 +450,9 @@ class PlacementActivities:
                 reservations=[*reservations, *held],
                 now_ms=now_ms,
                 stale_after_ms=view.stale_after_ms,
-                max_per_peer=inp.max_per_peer,
+                # The worker's config, not the manager's input: a manager outlives worker restarts
+                # and upgrades (docs/DESIGN.md, "Handoff pacing").
+                max_per_peer=self._config.max_per_peer_per_tick,
                 allowance=allowance,
                 in_use=holding,
                 fair_share=self._config.fair_share(),
@@ -506,4 +513,5 @@ class PlacementActivities:
             unreachable=[r.peer_id for r in view.reports if not r.reachable],
             plan_ms=plan_ms,
             total_ms=total_s * 1000,
+            interval_s=self._config.tick_interval_s,
         )

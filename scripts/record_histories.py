@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from determinism.history_files import load as load_history  # noqa: E402
 from stack import WAITS, Stack, StackRunner  # noqa: E402
+from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
 
@@ -677,7 +678,26 @@ SCENARIOS = [
     Scenario("bundle_already_held", bundle_already_held),
 ]
 MANAGER = "placement_manager"
+# Ticks (each followed by its wait) the manager's history holds at least when it is saved.
+MANAGER_TICKS = 3
 WATCHER = "peer_watch"
+
+
+async def _ticked(stack: Stack, manager_id: str, ticks: int) -> None:
+    """Until the manager's history holds ``ticks`` ticks and the waits between them (recorded
+    alone, it would otherwise be saved before its first tick ended)."""
+    handle = stack.client.get_workflow_handle(manager_id)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        history = await handle.fetch_history()
+        kinds = [e.event_type for e in history.events]
+        if kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED) >= ticks and (
+            kinds.count(EventType.EVENT_TYPE_TIMER_FIRED) + kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
+            >= ticks - 1
+        ):
+            return
+        await asyncio.sleep(0.2)
+    raise SystemExit(f"the placement manager did not tick {ticks} times within 60 s")
 
 
 async def _save(stack: Stack, workflow_id: str, out: Path) -> None:
@@ -710,6 +730,7 @@ async def record(names: set[str] | None, out_dir: Path) -> list[Path]:
             await one(scenario)
         if names is None or MANAGER in names:
             manager_id = f"iris-placement-manager/{stack.config.temporal.task_queue}"
+            await _ticked(stack, manager_id, MANAGER_TICKS)
             path = out_dir / f"{MANAGER}.json"
             await _save(stack, manager_id, path)
             written.append(path)

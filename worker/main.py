@@ -168,7 +168,7 @@ async def ensure_manager(client: Client, config: FederationConfig) -> None:
         with tracing.untraced():
             handle = await client.start_workflow(
                 PlacementManager.run,
-                ManagerInput(interval_s=config.tick_interval_s, max_per_peer=config.max_per_peer_per_tick),
+                ManagerInput(interval_s=config.tick_interval_s),
                 id=manager_workflow_id(config.temporal.task_queue),
                 task_queue=placement_task_queue(config.temporal.task_queue),
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,

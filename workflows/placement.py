@@ -43,7 +43,11 @@ INQUIRY_HISTORY_BYTES = 4_194_304  # 4 MiB
 
 
 class ManagerInput(BaseModel):
+    # The wait between ticks until a tick says its worker's own (TickOutcome.interval_s): the
+    # settings are the ticking worker's config, read at every tick, since a running manager
+    # outlives worker restarts and upgrades (docs/DESIGN.md, "Handoff pacing").
     interval_s: float = 1.0
+    # Ignored by ticks since the cap is read from the worker's config; kept so old inputs decode.
     max_per_peer: int | None = None
     ticks_per_run: int = 200
     # Updates answered per run (each adds ~6 events and its answer to the history).
@@ -107,6 +111,12 @@ class PlacementManager:
             or info.is_continue_as_new_suggested()
         )
 
+    def _interval_s(self, inp: ManagerInput) -> float:
+        """The last tick's word on the interval (its worker's config), else the input's. Taken
+        from the recorded outcome, so a replay waits as the run did."""
+        last = self._last.interval_s if self._last is not None else None
+        return last if last is not None else inp.interval_s
+
     @workflow.run
     async def run(self, inp: ManagerInput) -> None:
         workflow.set_current_details("Placement tick: matching queued jobs against peer capacity")
@@ -115,7 +125,7 @@ class PlacementManager:
             try:
                 self._last = await workflow.execute_activity_method(
                     PlacementActivities.placement_tick,
-                    TickInput(max_per_peer=inp.max_per_peer),
+                    TickInput(),
                     start_to_close_timeout=timedelta(seconds=30),
                     # A tick lost with its worker is retried after this, not after 30 s.
                     heartbeat_timeout=TICK_HEARTBEAT_TIMEOUT,
@@ -133,7 +143,7 @@ class PlacementManager:
                 # the interval (a run with none waits exactly as before).
                 await workflow.wait_condition(
                     lambda: self._wake or self._inquired_enough(inp),
-                    timeout=timedelta(seconds=inp.interval_s),
+                    timeout=timedelta(seconds=self._interval_s(inp)),
                 )
         # Every Update accepted so far is answered first: none is lost to the continue-as-new.
         await workflow.wait_condition(workflow.all_handlers_finished)

@@ -48,30 +48,39 @@ class WorkflowlessTick(PlacementActivities):
         return False
 
 
-async def tick(env: ActivityEnvironment, ticks: PlacementActivities, cap: int | None) -> TickOutcome:
-    return await env.run(ticks.placement_tick, TickInput(max_per_peer=cap))
+async def tick(env: ActivityEnvironment, ticks: PlacementActivities) -> TickOutcome:
+    return await env.run(ticks.placement_tick, TickInput())
+
+
+def capped(config: FederationConfig, cap: int | None) -> FederationConfig:
+    cfg = config.model_copy(deep=True)
+    cfg.max_per_peer_per_tick = cap
+    return cfg
 
 
 async def test_an_unanswered_offer_is_not_repeated_until_its_lease_lapses(
     stack: Stack, own_store: FederationStore
 ) -> None:
-    ticks = WorkflowlessTick(stack.config, own_store, offer_lease_s=2.0)
+    cfg = capped(stack.config, 1)
+    ticks = WorkflowlessTick(cfg, own_store, offer_lease_s=2.0)
     env = ActivityEnvironment(client=stack.client)
     jobs = [enqueue(own_store, f"pace-{i}", target_cluster="cw-us-east-02a") for i in range(3)]
-    first = await tick(env, ticks, 1)
+    first = await tick(env, ticks)
     assert first.placed == [jobs[0]] and first.saturated
     # The first job has not promoted yet: the next tick offers the second, not the first again.
-    second = await tick(env, ticks, 1)
+    second = await tick(env, ticks)
     assert second.placed == [jobs[1]] and second.offered == 1
-    third = await tick(env, ticks, 1)
+    third = await tick(env, ticks)
     assert third.placed == [jobs[2]] and third.offered == 2 and not third.saturated
+    # The cap is the config's at each tick, not fixed when the tick's worker started.
+    cfg.max_per_peer_per_tick = None
     # Unanswered past the lease: offered again (the job's promotion CAS absorbs a repeat), each
     # once its own lease has lapsed.
     started = time.monotonic()
     again: set[str] = set()
 
     async def reoffered() -> bool:
-        again.update((await tick(env, ticks, None)).placed)
+        again.update((await tick(env, ticks)).placed)
         return again == set(jobs)
 
     await wait_until(reoffered, timeout=20, interval=0.3, what="the lapsed offers to be made again")
@@ -87,14 +96,14 @@ async def test_what_an_unanswered_offer_would_reserve_is_held_in_the_next_tick(
         return block is not None and block.amounts.get("h100") == 8
 
     await wait_until(rno2a_idle, timeout=60, what="cw-rno2a's 8 H100s to be free")
-    ticks = WorkflowlessTick(stack.config, own_store)
+    ticks = WorkflowlessTick(capped(stack.config, None), own_store)
     env = ActivityEnvironment(client=stack.client)
     a = enqueue(own_store, "hold-a", target_cluster="cw-rno2a", device_type="h100", gpu_count=8)
     b = enqueue(own_store, "hold-b", target_cluster="cw-rno2a", device_type="h100", gpu_count=8)
-    first = await tick(env, ticks, None)
+    first = await tick(env, ticks)
     assert first.placed == [a]
     # Nothing changed on the peer (a's workflow never promoted): b must not get the same 8 chips.
-    second = await tick(env, ticks, None)
+    second = await tick(env, ticks)
     assert second.placed == [] and second.offered == 1, second
     assert b not in second.placed
 
@@ -153,14 +162,14 @@ async def test_a_paced_cluster_is_sent_no_more_than_its_rate(
     env = ActivityEnvironment(client=stack.client)
     jobs = [enqueue(own_store, f"paced-{i}", target_cluster="cw-us-east-02a") for i in range(6)]
     started = time.monotonic()
-    first = await tick(env, ticks, None)
+    first = await tick(env, ticks)
     assert first.placed == jobs[:2] and not first.saturated, first
     waiting = {h.job_id: h.reason for h in own_store.queued()}
     assert all("paced" in (waiting[j] or "") for j in jobs[2:]), waiting
     placed = list(first.placed)
 
     async def all_placed() -> bool:
-        placed.extend((await tick(env, ticks, None)).placed)
+        placed.extend((await tick(env, ticks)).placed)
         elapsed = time.monotonic() - started
         assert len(placed) <= 2 + 2.0 * elapsed + 1e-6, (len(placed), elapsed)
         return len(placed) == len(jobs)

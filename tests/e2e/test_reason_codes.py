@@ -267,7 +267,7 @@ async def tick(stack: Stack, config: FederationConfig | None = None) -> TickOutc
     """One placement tick, the worker's own activity, with the stack's client and store."""
     acts = PlacementActivities(config or stack.config, stack.store)
     outcome: TickOutcome = await ActivityEnvironment(client=stack.client).run(
-        acts.placement_tick, TickInput(max_per_peer=stack.config.max_per_peer_per_tick)
+        acts.placement_tick, TickInput()
     )
     return outcome
 

@@ -250,6 +250,7 @@ async def manager(
     """A placement manager of its own task queue, ticking once (at start), then only asked."""
     cfg = config.model_copy(deep=True)
     cfg.temporal.task_queue = f"inquiry-{uuid.uuid4().hex[:8]}"
+    cfg.tick_interval_s = 60  # the ticks' own word on the interval (at most a minute)
     queue = contract.placement_task_queue(cfg.temporal.task_queue)
     inquiry = InquiryActivities(cfg, store)
     worker = Worker(
