@@ -133,6 +133,15 @@ BASELINE_PATCH = "job-baseline-2026-12"
 # fetch_reports: one activity and one workflow task fewer per job (issue 31). Asked first in
 # every run's first task, before BASELINE_PATCH; a run that predates it replays as before.
 BASELINE_2027_PATCH = "job-baseline-2027-01"
+# Runs with this patch take BASELINE_2027_PATCH's features without asking it, and run the
+# promotion CAS (promote_job) as a local activity in the workflow task that took the placement,
+# instead of a regular activity whose answer comes in a task of its own: one activity and one
+# workflow task fewer per promotion, and the promotion's state change written in the task that
+# schedules the launch (issue 31; docs/DESIGN.md, "Promotion (the CAS)"). An operator's reset of a
+# refused handoff goes back to that task and runs the CAS again: the store answers it
+# ALREADY_PROMOTED (iris/store/store.py, ``_not_queued``). Asked first in every run's first task,
+# before BASELINE_2027_PATCH; a run that predates it replays as before.
+BASELINE_2027_02_PATCH = "job-baseline-2027-02"
 # Patches after the baseline, each asked on its own.
 #
 # Runs with this patch launch a job that has a workspace bundle at once, and stage the bundle
@@ -172,6 +181,8 @@ class Features:
     local_confirm: bool = False
     # BASELINE_2027_PATCH: a new job is admitted by one activity (signature and reports).
     admits: bool = False
+    # BASELINE_2027_02_PATCH: the promotion CAS is a local activity.
+    promotes_locally: bool = False
 
 
 def read(
@@ -236,6 +247,7 @@ def _from_baseline(
         classifying(True, True)
     return Features(
         admits=current_baseline(),
+        promotes_locally=newest_baseline(),
         checked=True,
         reasons=True,
         local_steps=True if fresh else carried_local_steps,
@@ -269,8 +281,14 @@ def baseline() -> bool:
 
 
 def current_baseline() -> bool:
-    """BASELINE_2027_PATCH: the first patch every run's first task asks (through ``baseline``)."""
-    return workflow.patched(BASELINE_2027_PATCH)
+    """BASELINE_2027_PATCH, or the later BASELINE_2027_02_PATCH that implies it (asked first, so a
+    run begun with the later one never asks the earlier)."""
+    return newest_baseline() or workflow.patched(BASELINE_2027_PATCH)
+
+
+def newest_baseline() -> bool:
+    """BASELINE_2027_02_PATCH: the first patch every run's first task asks (through ``baseline``)."""
+    return workflow.patched(BASELINE_2027_02_PATCH)
 
 
 def home_ledger() -> bool:

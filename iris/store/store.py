@@ -497,6 +497,22 @@ class FederationStore:
                 handle=handle,
                 reservation=existing,
             )
+        if (
+            handle.state is HandleState.HANDOFF_REJECTED
+            and not handle.cancel_requested
+            and handle.assigned_peer == placement.peer_id
+            and (handle.assigned_backend or "") == placement.backend_id
+        ):
+            # Only the run an operator reset to before its refused launch asks this (docs/DESIGN.md,
+            # "Replaying a failed handoff"): a run whose CAS was a local activity runs it again in
+            # the task that sends the launch again. The handle is not revived (no reservation, its
+            # state kept): the answer only lets the launch be sent, as the recorded answer of a
+            # regular activity did before.
+            return PromoteResult(
+                outcome=PromoteOutcome.ALREADY_PROMOTED,
+                message=f"job {handle.job_id} was refused{where}; sent again after a reset",
+                handle=handle,
+            )
         if handle.state is HandleState.UNSCHEDULABLE:
             return PromoteResult(
                 outcome=PromoteOutcome.EXPIRED,

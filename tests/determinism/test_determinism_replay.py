@@ -12,7 +12,8 @@ those branches replayable for as long as the code carries them. ``v2-*.json`` we
 with it. ``v3-*.json`` were recorded with the baseline before a later patch changed their path
 (``LAUNCH_FIRST_PATCH``: a bundle staged only when the launch finds it missing). ``v4-*.json`` were
 recorded with ``BASELINE_PATCH`` (and ``LAUNCH_FIRST_PATCH`` where a bundle was handed off) before
-``BASELINE_2027_PATCH`` (one activity admits a new job); the unprefixed ones with that. The
+``BASELINE_2027_PATCH`` (one activity admits a new job). ``v5-*.json`` were recorded with that, before
+``BASELINE_2027_02_PATCH`` (the promotion CAS a local activity); the unprefixed ones with that. The
 recorder never overwrites a prefixed one.
 
 They were recorded without payload encryption, and replay with the worker's converter holding a
@@ -39,6 +40,7 @@ from iris.temporal import data_converter
 from workflows.job import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
+    BASELINE_2027_02_PATCH,
     BASELINE_2027_PATCH,
     BASELINE_PATCH,
     BUNDLE_PATCH,
@@ -142,6 +144,8 @@ AFTER_BASELINE = {
 REQUIRED_BEFORE_LATER_PATCHES = {"v3-bundled_handed_off"}
 # Runs begun with BASELINE_PATCH, before BASELINE_2027_PATCH: every job path, and the later ones.
 REQUIRED_BEFORE_2027 = {f"v4-{name}" for name in JOB_PATHS | set(PATCHED_PATHS) | set(AFTER_BASELINE)}
+# Runs begun with BASELINE_2027_PATCH, before BASELINE_2027_02_PATCH: every job path recorded then.
+REQUIRED_BEFORE_2027_02 = {f"v5-{name}" for name in JOB_PATHS | set(PATCHED_PATHS) | set(AFTER_BASELINE)}
 HISTORY_DIR = Path(__file__).parent / "histories"
 STAGING = (contract.STAGE_BUNDLE, contract.LAUNCH_JOB)
 REGENERATE = "regenerate with `uv run python -m scripts.record_histories` if the change is intended"
@@ -168,6 +172,8 @@ def test_every_main_path_has_a_committed_history() -> None:
     assert not missing, f"missing histories {sorted(missing)}: a patch after the baseline lost its check"
     missing = REQUIRED_BEFORE_2027 - present
     assert not missing, f"missing histories {sorted(missing)}: a 2026-12 baseline run lost its check"
+    missing = REQUIRED_BEFORE_2027_02 - present
+    assert not missing, f"missing histories {sorted(missing)}: a 2027-01 baseline run lost its check"
 
 
 def patches(path: Path) -> set[str]:
@@ -198,13 +204,15 @@ def test_later_paths_are_recorded_through_their_patches() -> None:
 
 def test_pre_baseline_histories_ask_each_patch_and_new_ones_only_the_baseline() -> None:
     """BASELINE_PATCH: a run begun with it writes one patch marker, whatever path it takes (and
-    LAUNCH_FIRST_PATCH, asked on its own after it). BASELINE_2027_PATCH: one marker, whatever."""
+    LAUNCH_FIRST_PATCH, asked on its own after it). BASELINE_2027_PATCH and BASELINE_2027_02_PATCH:
+    one marker each, whatever the path, and a run begun with the later never asks the earlier."""
     for path in HISTORY_DIR.glob("v[12]-*.json"):
         assert BASELINE_PATCH not in patches(path), f"{path.name} was recorded with the baseline"
     for name in JOB_PATHS | set(PATCHED_PATHS):
         later = {AFTER_BASELINE[name]} if name in AFTER_BASELINE else set()
         assert patches(HISTORY_DIR / f"v4-{name}.json") == {BASELINE_PATCH} | later, name
-        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_PATCH}, name
+        assert patches(HISTORY_DIR / f"v5-{name}.json") == {BASELINE_2027_PATCH}, name
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_02_PATCH}, name
 
 
 def test_runs_begun_with_the_2027_baseline_are_admitted_by_one_activity() -> None:
@@ -213,7 +221,7 @@ def test_runs_begun_with_the_2027_baseline_are_admitted_by_one_activity() -> Non
     checked = 0
     for name in sorted(JOB_PATHS | set(PATCHED_PATHS)):
         before = activities_of(HISTORY_DIR / f"v4-{name}.json")
-        after = activities_of(HISTORY_DIR / f"{name}.json")
+        after = activities_of(HISTORY_DIR / f"v5-{name}.json")
         assert contract.ADMIT_SUBMISSION not in before, name
         if before[:1] != [contract.VERIFY_REQUEST]:
             continue  # refused before any check (a malformed start)
@@ -228,6 +236,60 @@ def test_runs_begun_with_the_2027_baseline_are_admitted_by_one_activity() -> Non
     assert checked >= 10, checked
 
 
+def test_runs_begun_with_the_2027_02_baseline_promote_by_a_local_activity() -> None:
+    """BASELINE_2027_02_PATCH: the promotion CAS runs as a local activity in the task that took the
+    placement, and the launch that follows is scheduled by that same task (no task of its own for
+    the CAS's answer) but where a signal came in meanwhile; a run begun before it scheduled a
+    promote_job per promotion (and replays so). Task counts are not compared: signals' timing
+    varies them between recordings."""
+    promoted = same_task = 0
+    for name in sorted(JOB_PATHS | set(PATCHED_PATHS) | set(AFTER_BASELINE)):
+        before = activities_of(HISTORY_DIR / f"v5-{name}.json")
+        after = activities_of(HISTORY_DIR / f"{name}.json")
+        assert contract.PROMOTE_JOB not in after, (name, after)
+        cas = before.count(contract.PROMOTE_JOB)
+        if not cas:
+            continue
+        promoted += 1
+        # Everything else the run scheduled is the same (a CAS refused or retaken included).
+        assert [a for a in before if a != contract.PROMOTE_JOB] == after, (name, before, after)
+        assert local_activities_of(HISTORY_DIR / f"{name}.json").count(contract.PROMOTE_JOB) == cas, name
+        same_task += promotions_launched_in_their_task(HISTORY_DIR / f"{name}.json")
+    assert promoted >= 10, promoted
+    assert same_task >= 10, same_task
+
+
+def promotions_launched_in_their_task(path: Path) -> int:
+    """Promotions (local promote_job markers) whose next scheduled activity is launch_job, scheduled
+    in the same workflow task. Not every one: a signal that arrives while the task runs makes the
+    server hand the rest to a new task (one recording in several)."""
+    found = 0
+    promoted_in: int | None = None
+    for event in json.loads(path.read_text())["events"]:
+        marker = event.get("markerRecordedEventAttributes", {})
+        if marker.get("markerName") == "core_local_activity":
+            data = json.loads(base64.b64decode(marker["details"]["data"]["payloads"][0]["data"]))
+            if data["activity_type"] == contract.PROMOTE_JOB:
+                promoted_in = int(marker["workflowTaskCompletedEventId"])
+        scheduled = event.get("activityTaskScheduledEventAttributes")
+        if scheduled is not None and promoted_in is not None:
+            launch = scheduled["activityType"]["name"] == contract.LAUNCH_JOB
+            found += launch and int(scheduled["workflowTaskCompletedEventId"]) == promoted_in
+            promoted_in = None
+    return found
+
+
+def local_activities_of(path: Path) -> list[str]:
+    """The local activity types a recorded history ran (their markers), in order."""
+    found = []
+    for event in json.loads(path.read_text())["events"]:
+        marker = event.get("markerRecordedEventAttributes", {})
+        if marker.get("markerName") == "core_local_activity":
+            data = json.loads(base64.b64decode(marker["details"]["data"]["payloads"][0]["data"]))
+            found.append(data["activity_type"])
+    return found
+
+
 def activities_of(path: Path) -> list[str]:
     """The activity types a recorded history scheduled, in order."""
     return [
@@ -240,8 +302,9 @@ def activities_of(path: Path) -> list[str]:
 def test_paths_after_the_baseline_take_their_patch_and_older_runs_do_not() -> None:
     for name, patch in AFTER_BASELINE.items():
         assert patches(HISTORY_DIR / f"v4-{name}.json") == {BASELINE_PATCH, patch}, name
-        # The 2027-01 baseline takes it without asking.
-        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_PATCH}, name
+        # The 2027 baselines take it without asking.
+        assert patches(HISTORY_DIR / f"v5-{name}.json") == {BASELINE_2027_PATCH}, name
+        assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_2027_02_PATCH}, name
     for name in REQUIRED_BEFORE_LATER_PATCHES:
         assert patches(HISTORY_DIR / f"{name}.json") == {BASELINE_PATCH}, name
     # Before: staged, then launched. After: launched, found missing, staged, launched again; or
@@ -303,7 +366,7 @@ def test_histories_end_where_their_name_says() -> None:
         "parked_released_retaken": "SUCCEEDED",
         "parked_retake_requeued": "SUCCEEDED",
     }
-    for name, state in [(f"{v}{n}", s) for n, s in expected.items() for v in ("", "v2-", "v4-")]:
+    for name, state in [(f"{v}{n}", s) for n, s in expected.items() for v in ("", "v2-", "v4-", "v5-")]:
         history = load(HISTORY_DIR / f"{name}.json")
         assert workflow_type_of(history) == "JobWorkflow"
         last = history.events[-1]

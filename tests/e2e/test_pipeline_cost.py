@@ -21,7 +21,7 @@ from iris.contract import job_workflow_id
 from iris.jobs import JobState
 from iris.policy.models import Availability, BackendReport, DeviceRequest, JobShape, PeerReport, Placement
 from iris.store import FederationStore, JobHandle
-from workflows.job import BASELINE_2027_PATCH
+from workflows.job import BASELINE_2027_02_PATCH
 
 H100 = {"device_type": "h100", "gpu_count": 8}
 BACKENDS = "GET /v1/backends"
@@ -51,13 +51,14 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
     )
     # The capacity read keeps the first workflow task free of local activities (an Update accepted
-    # there); the promotion CAS stays on the queue so an operator's reset finds its answer.
+    # there); the promotion CAS is a local activity in the task that took the placement and
+    # schedules the launch (job-baseline-2027-02; docs/DESIGN.md, "Promotion (the CAS)").
     # The attempt is followed through its cluster's watcher, with no activity while it runs; one
     # mirror_job reads its end and relays its output, a local activity in the task that took the
     # watcher's signal (docs/DESIGN.md, "The change feed": local-end-confirm-v1). The submitter's
     # signature is checked first, on the queue, in the same activity as the capacity read
     # (admit_submission, the job-baseline-2027-01 baseline; docs/DESIGN.md, "User → home").
-    expected = {"admit_submission": 1, "promote_job": 1, "launch_job": 1}
+    expected = {"admit_submission": 1, "launch_job": 1}
     assert scheduled == Counter(expected), scheduled
     markers = [
         e.marker_recorded_event_attributes
@@ -69,12 +70,13 @@ async def test_a_queued_jobs_store_writes_are_local_activities(
         for m in markers
         if m.marker_name == "core_local_activity"
     )
-    # The enqueue, the store's HANDED_OFF and SUCCEEDED, and the read of the end.
-    assert local_types == Counter({"enqueue_job": 1, "set_handle_state": 2, "mirror_job": 1}), local_types
+    # The enqueue, the promotion, the store's HANDED_OFF and SUCCEEDED, and the read of the end.
+    expected_local = {"enqueue_job": 1, "promote_job": 1, "set_handle_state": 2, "mirror_job": 1}
+    assert local_types == Counter(expected_local), local_types
     # One patch marker for the whole run: every earlier patch comes through the baseline (docs/
     # DESIGN.md, "One marker per run"), so one TemporalChangeVersion upsert, not one per patch.
     taken = [decoded(m.details["patch-data"])[0] for m in markers if m.marker_name == "core_patch"]
-    assert taken == [{"id": BASELINE_2027_PATCH, "deprecated": False}], taken
+    assert taken == [{"id": BASELINE_2027_02_PATCH, "deprecated": False}], taken
     change_versions = [
         e
         for e in history.events

@@ -75,6 +75,38 @@ def test_retried_promotion_is_idempotent(store: FederationStore) -> None:
     assert "SUCCEEDED" in other.message
 
 
+def test_a_reset_of_a_refused_handoff_is_answered_already_promoted_to_its_own_target_only(
+    store: FederationStore,
+) -> None:
+    """An operator's reset of a HANDOFF_REJECTED run goes back to the task that sent the launch,
+    where a run of the 2027-02 baseline runs its CAS (a local activity) again. The refused handle's
+    own target answers ALREADY_PROMOTED, so the launch is sent again, without reviving the handle
+    or charging anything; any other target, or a handle with a cancel, is refused as before."""
+    store.save_reports([report(PEER, gpu_backend(free=16))])
+    store.enqueue(handle("j1"))
+    assert store.promote("j1", "inc-1", placement("j1"), NOW).outcome is PromoteOutcome.PROMOTED
+    assert store.set_state("j1", "inc-1", HandleState.HANDOFF_REJECTED, "refused by the peer") is not None
+    assert store.reservations() == []
+
+    again = store.promote("j1", "inc-1", placement("j1"), NOW + 5)
+    assert again.outcome is PromoteOutcome.ALREADY_PROMOTED and again.promoted, again
+    assert again.handle is not None and again.handle.state is HandleState.HANDOFF_REJECTED
+    assert store.reservations() == [] and store.get("j1") == again.handle
+
+    other = store.promote("j1", "inc-1", placement("j1", backend="h100-b"), NOW + 5)
+    assert other.outcome is PromoteOutcome.NOT_QUEUED and not other.promoted
+    # Another incarnation of the job id is never this run's promotion.
+    assert store.promote("j1", "inc-2", placement("j1"), NOW + 5).outcome is PromoteOutcome.NOT_FOUND
+
+    store.save_reports([report(PEER, gpu_backend(free=16))])
+    store.enqueue(handle("j2"))
+    assert store.promote("j2", "inc-1", placement("j2"), NOW).outcome is PromoteOutcome.PROMOTED
+    assert not store.record_cancel("j2", "stop").won
+    assert store.set_state("j2", "inc-1", HandleState.HANDOFF_REJECTED, "refused") is not None
+    cancelled = store.promote("j2", "inc-1", placement("j2"), NOW + 5)
+    assert cancelled.outcome is PromoteOutcome.CANCELLED and not cancelled.promoted
+
+
 def test_refusals(store: FederationStore) -> None:
     store.save_reports([report(PEER, gpu_backend(free=8)), report("gcp-b", reachable=False)])
 

@@ -1,5 +1,5 @@
-"""One patch marker per run (BASELINE_2027_PATCH, before it BASELINE_PATCH; docs/DESIGN.md,
-"Determinism check": "One marker per run"; issue 31).
+"""One patch marker per run (BASELINE_2027_02_PATCH, before it BASELINE_2027_PATCH and
+BASELINE_PATCH; docs/DESIGN.md, "Determinism check": "One marker per run"; issue 31).
 
 Each ``workflow.patched`` that answers yes writes a marker and an upsert of
 ``TemporalChangeVersion`` that the server indexes; a run begun with the baseline takes every patch
@@ -19,7 +19,7 @@ from temporalio.client import WorkflowHandle
 import workflows.job.steps.common as common
 from iris import contract
 from iris.jobs import JobState, JobStatus
-from workflows.job import BASELINE_2027_PATCH, JobWorkflow
+from workflows.job import BASELINE_2027_02_PATCH, JobWorkflow
 
 
 async def history(handle: WorkflowHandle[Any, JobStatus]) -> list[HistoryEvent]:
@@ -50,7 +50,7 @@ def first_task_end(events: list[HistoryEvent]) -> int:
 
 async def test_a_handed_off_bundled_job_writes_the_baseline_and_one_later_marker(fed: Federation) -> None:
     """The bundle's own patches (BUNDLE_PATCH, and LAUNCH_FIRST_PATCH, asked on its own by a run
-    begun with the 2026-12 baseline) come through the 2027-01 baseline."""
+    begun with the 2026-12 baseline) come through the 2027 baselines."""
     handle = await fed.queued(
         gpu_spec("baseline-bundled", fed.now_ms, bundle=BUNDLE, artifacts=["s3://ckpt/x"])
     )
@@ -59,7 +59,7 @@ async def test_a_handed_off_bundled_job_writes_the_baseline_and_one_later_marker
     assert st.state is JobState.SUCCEEDED, st.reason
     assert contract.STAGE_BUNDLE in fed.fake.calls  # staged: BUNDLE_PATCH taken
     events = await history(handle)
-    assert patch_ids(events) == [BASELINE_2027_PATCH]
+    assert patch_ids(events) == [BASELINE_2027_02_PATCH]
     assert change_version_upserts(events) == 1
     # The marker stands in the first task's commands, first of them.
     marker = next(i for i, e in enumerate(events) if e.HasField("marker_recorded_event_attributes"))
@@ -72,7 +72,7 @@ async def test_a_job_run_at_home_through_the_ledger_writes_one_patch_marker(fed:
     assert st.state is JobState.SUCCEEDED, st.reason
     assert fed.fake.promotions, "home capacity not taken through the CAS: HOME_LEDGER_PATCH not taken"
     events = await history(handle)
-    assert patch_ids(events) == [BASELINE_2027_PATCH]
+    assert patch_ids(events) == [BASELINE_2027_02_PATCH]
     assert change_version_upserts(events) == 1
 
 
@@ -95,9 +95,9 @@ async def test_a_continued_run_writes_one_patch_marker_too(
     continued = (await latest.describe()).run_id
     assert continued != first.result_run_id, "the run never continued as new"
     events = await history(fed.env.client.get_workflow_handle(spec.job_id, run_id=continued))
-    assert patch_ids(events) == [BASELINE_2027_PATCH]
+    assert patch_ids(events) == [BASELINE_2027_02_PATCH]
     assert change_version_upserts(events) == 1
-    assert patch_ids(await history(first)) == [BASELINE_2027_PATCH]
+    assert patch_ids(await history(first)) == [BASELINE_2027_02_PATCH]
 
 
 async def test_a_new_job_is_admitted_by_one_activity_and_starts_with_its_memo(fed: Federation) -> None:

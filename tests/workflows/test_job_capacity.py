@@ -34,7 +34,7 @@ from iris.jobs import JobState, JobStatus, ReplayRequest
 from iris.policy.models import BackendReport, DeviceRequest, PeerReport
 from iris.policy.reasons import ReasonCode
 from iris.store.models import HandleState, PromoteOutcome
-from workflows.job import BASELINE_2027_PATCH, JobWorkflow
+from workflows.job import BASELINE_2027_02_PATCH, JobWorkflow
 
 ARTIFACT = "s3://ckpt/llama-70b"
 MISSING = f"Artifact {ARTIFACT} missing in {PEER}'s object store"
@@ -112,8 +112,9 @@ async def test_the_rejection_is_recorded_behind_its_patch(fed: Federation) -> No
         async for e in handle.fetch_history_events()
         if e.HasField("marker_recorded_event_attributes")
     ]
-    # A new run takes SIZE_PATCH and PARK_PATCH through the baseline (BASELINE_2027_PATCH), its one marker.
-    assert len(markers) == 1 and BASELINE_2027_PATCH.encode() in markers[0], markers
+    # A new run takes SIZE_PATCH and PARK_PATCH through the baseline (BASELINE_2027_02_PATCH), its one
+    # marker.
+    assert len(markers) == 1 and BASELINE_2027_02_PATCH.encode() in markers[0], markers
 
 
 # ---- a parked job frees its capacity (PARK_PATCH) -----------------------------------------------

@@ -27,6 +27,7 @@ from workflows.job.workflow import JobWorkflow
 from workflows.versions import (
     ATTEMPTS_PATCH,
     AUTH_PATCH,
+    BASELINE_2027_02_PATCH,
     BASELINE_2027_PATCH,
     BASELINE_PATCH,
     BUNDLE_PATCH,
@@ -51,6 +52,7 @@ from workflows.versions import (
 __all__ = (
     "ATTEMPTS_PATCH",
     "AUTH_PATCH",
+    "BASELINE_2027_02_PATCH",
     "BASELINE_2027_PATCH",
     "BASELINE_PATCH",
     "BUNDLE_PATCH",

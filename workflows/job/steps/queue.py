@@ -161,14 +161,16 @@ async def promote(ctx: Ctx, placement: Placement, *, retake: bool = False) -> Pl
     refused, the job goes back to the queue to wait for another tick."""
     run = ctx.run
     # The CAS runs only while this workflow's cancellation state is clear; shielded so a
-    # Temporal cancel never abandons it half-way (the store then decides who won). Not a
-    # local activity: its answer must be in the history before the workflow task that
-    # schedules the launch, which an operator's reset of a refused handoff goes back to;
-    # a reset that re-ran the CAS against the ended handle would wait forever.
+    # Temporal cancel never abandons it half-way (the store then decides who won). A local
+    # activity in runs begun with BASELINE_2027_02_PATCH, in the task that took the placement and
+    # schedules the launch: an operator's reset of a refused handoff goes back to that task and
+    # runs the CAS again, which the store answers ALREADY_PROMOTED for the refused handle's own
+    # target. Before it, a regular activity, whose answer the reset kept.
     cas = PromoteInput(
         job_id=run.spec.job_id, incarnation=run.incarnation, placement=placement, retake=retake
     )
-    result = await asyncio.shield(effects.store_step(ctx, StoreActivities.promote_job, cas, local=False))
+    local = ctx.features.promotes_locally
+    result = await asyncio.shield(effects.store_step(ctx, StoreActivities.promote_job, cas, local=local))
     target = f"{placement.peer_id}/{placement.backend_id or '-'}"
     if result.promoted:
         backend = (result.handle.assigned_backend if result.handle else None) or placement.backend_id
