@@ -360,7 +360,8 @@ class FederationStore:
         handed off or parked) answers ALREADY_PROMOTED without charging twice; an ended handle is
         never reported promoted again, but for one: a HANDOFF_REJECTED handle, asked for its own
         target with no cancel on it, is what an operator's reset of the refused run asks, and is
-        answered ALREADY_PROMOTED, neither revived nor charged (``_not_queued``). Any refusal but CANCELLED and EXPIRED leaves the job queued.
+        answered ALREADY_PROMOTED, neither revived nor charged (``_not_queued``). Any refusal but
+        CANCELLED and EXPIRED leaves the job queued.
 
         ``retake``: an operator's replay in place of a parked job whose reservation was released
         when it parked (``set_state(..., release=True)``): the same CAS from HANDOFF_FAILED, to the
