@@ -553,7 +553,13 @@ def report(
     print(
         f"jobs: {args.jobs} ({n_gpu} queued h100x1 + {args.jobs - n_gpu} local CPU, command `true`), "
         f"{args.concurrency} starts in flight; peers {args.peer_slots} h100 slots each; "
-        f"max {args.max_per_peer if args.max_per_peer is not None else 'config (8)'} per peer per tick"
+        + (
+            f"max {args.max_per_peer} per peer per tick"
+            if args.max_per_peer
+            else "no cap per peer per tick"
+            if args.max_per_peer == 0
+            else "the config's cap per peer per tick (default none) and handoff pace (default 50/s)"
+        )
     )
     states = {p.name: dict(Counter(j.state for j in p.jobs)) for p in (light, load)}
     states["cancel (home/peer)"] = dict(
