@@ -9,6 +9,7 @@ shows. Each test has a GRES type of its own on the session Slurm (tests/slurm/sl
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +62,10 @@ async def test_an_interactive_job_preempts_the_youngest_batch_jobs_it_needs(
         for i in range(4):
             launch(c, f"batch/{i}", Band.BATCH, 2, SLOW_TO_STOP)
             await c.started(f"batch/{i}")
+            # Slurm records a start to the second: the next job starts in a later one, so the
+            # youngest (least work lost) are never a tie the job ids break.
+            next_second_ms = (c.executor.get(f"batch/{i}").started_ms or 0) + 1000
+            await c.until("Slurm's next second", lambda t=next_second_ms: time.time() * 1000 >= t)
         assert c.held() == {3: {"h100": 8}}
         launch(c, "urgent/train", Band.INTERACTIVE, 4, ["sh", "-c", "echo trained"])
         assert c.state("urgent/train") is S.PENDING
