@@ -219,9 +219,9 @@ class TickMetrics:
 
 
 class TickInput(BaseModel):
-    # Ignored: the cap per tick is the ticking worker's config (``max_per_peer_per_tick``), read at
-    # every tick. Kept so that a manager started before (whose input carries it) still decodes.
-    max_per_peer: int | None = None
+    """Nothing: every tick setting is the ticking worker's config, read at each tick (docs/DESIGN.md,
+    "Handoff pacing"). A manager started before sends the cap it was started with
+    (``max_per_peer``), which decoding ignores."""
 
 
 class TickOutcome(BaseModel):

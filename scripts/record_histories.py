@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from determinism.history_files import load as load_history  # noqa: E402
-from stack import WAITS, Stack, StackRunner  # noqa: E402
+from stack import WAITS, Stack, StackRunner, wait_until  # noqa: E402
 from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import WorkflowHistory  # noqa: E402
 from temporalio.runtime import Runtime, TelemetryConfig  # noqa: E402
@@ -687,17 +687,14 @@ async def _ticked(stack: Stack, manager_id: str, ticks: int) -> None:
     """Until the manager's history holds ``ticks`` ticks and the waits between them (recorded
     alone, it would otherwise be saved before its first tick ended)."""
     handle = stack.client.get_workflow_handle(manager_id)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        history = await handle.fetch_history()
-        kinds = [e.event_type for e in history.events]
-        if kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED) >= ticks and (
-            kinds.count(EventType.EVENT_TYPE_TIMER_FIRED) + kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
-            >= ticks - 1
-        ):
-            return
-        await asyncio.sleep(0.2)
-    raise SystemExit(f"the placement manager did not tick {ticks} times within 60 s")
+
+    async def enough() -> bool:
+        kinds = [e.event_type for e in (await handle.fetch_history()).events]
+        fired = kinds.count(EventType.EVENT_TYPE_TIMER_FIRED)
+        waits = fired + kinds.count(EventType.EVENT_TYPE_TIMER_CANCELED)
+        return kinds.count(EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED) >= ticks and waits >= ticks - 1
+
+    await wait_until(enough, timeout=60, interval=0.2, what=f"the placement manager to tick {ticks} times")
 
 
 async def _save(stack: Stack, workflow_id: str, out: Path) -> None:

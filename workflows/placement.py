@@ -46,9 +46,8 @@ class ManagerInput(BaseModel):
     # The wait between ticks until a tick says its worker's own (TickOutcome.interval_s): the
     # settings are the ticking worker's config, read at every tick, since a running manager
     # outlives worker restarts and upgrades (docs/DESIGN.md, "Handoff pacing").
+    # (An input from before also names a cap, ``max_per_peer``, which decoding ignores.)
     interval_s: float = 1.0
-    # Ignored by ticks since the cap is read from the worker's config; kept so old inputs decode.
-    max_per_peer: int | None = None
     ticks_per_run: int = 200
     # Updates answered per run (each adds ~6 events and its answer to the history).
     inquiries_per_run: int = 200

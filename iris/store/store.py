@@ -482,17 +482,16 @@ class FederationStore:
 
     @staticmethod
     def _not_queued(conn: Connection, handle: JobHandle, placement: Placement) -> PromoteResult:
-        # Only a live promotion is "already promoted": a retry must never revive an ended job.
         same_target = (
-            handle.state in _LIVE_ASSIGNED
-            and handle.assigned_peer is not None
+            handle.assigned_peer is not None
             and handle.assigned_peer == placement.peer_id
             and (handle.assigned_backend or "") == placement.backend_id
         )
         where = (
             f" on {_target(handle.assigned_peer, handle.assigned_backend)}" if handle.assigned_peer else ""
         )
-        if same_target:
+        # Only a live promotion is "already promoted": a retry must never revive an ended job.
+        if same_target and handle.state in _LIVE_ASSIGNED:
             existing = _job_reservation(conn, handle.job_id)
             return PromoteResult(
                 outcome=PromoteOutcome.ALREADY_PROMOTED,
@@ -500,12 +499,7 @@ class FederationStore:
                 handle=handle,
                 reservation=existing,
             )
-        if (
-            handle.state is HandleState.HANDOFF_REJECTED
-            and not handle.cancel_requested
-            and handle.assigned_peer == placement.peer_id
-            and (handle.assigned_backend or "") == placement.backend_id
-        ):
+        if same_target and handle.state is HandleState.HANDOFF_REJECTED and not handle.cancel_requested:
             # Only the run an operator reset to before its refused launch asks this (docs/DESIGN.md,
             # "Replaying a failed handoff"): a run whose CAS was a local activity runs it again in
             # the task that sends the launch again. The handle is not revived (no reservation, its

@@ -20,7 +20,7 @@ from iris import contract
 from iris.config import FederationConfig
 from iris.policy.models import DeviceRequest, JobShape
 from iris.store import FederationStore, HandleState, JobHandle
-from workflows.placement import ManagerInput, PlacementManager
+from workflows.placement import PlacementManager
 from workflows.runner import workflow_runner
 
 
@@ -58,8 +58,9 @@ async def upgraded(
 
     async def start() -> WorkflowHandle[object, object]:
         handle: WorkflowHandle[object, object] = await temporal.client.start_workflow(
-            PlacementManager.run,
-            ManagerInput(interval_s=3600, max_per_peer=1),
+            contract.PLACEMENT_MANAGER,
+            # The input a manager was started with before (the model no longer names the cap).
+            {"interval_s": 3600, "max_per_peer": 1},
             id=contract.manager_workflow_id(cfg.temporal.task_queue),
             task_queue=queue,
         )
