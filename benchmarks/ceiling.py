@@ -17,15 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
-import sys
 from datetime import timedelta
 
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
+
+from benchmarks.smoke import exit_now
 
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
@@ -139,9 +139,7 @@ def main() -> None:
     p.add_argument("--max-concurrent-activities", type=int, default=200)
     args = p.parse_args()
     asyncio.run(serve(args.address, args.task_queue, args.max_concurrent_activities))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the SDK runtime can crash at interpreter exit (sdk-python #300)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 
 from activities.placement import TickOutcome
+from benchmarks.smoke import exit_now
 from benchmarks.source import cleanup_snapshot
 from iris import devstack, reaper
 from iris.config import FederationConfig, load_config
@@ -82,9 +83,7 @@ def run_main(coro: Callable[[], Awaitable[int]]) -> None:
         print(f"benchmark failed: {exc!r}", file=sys.stderr)
     finally:
         cleanup_snapshot()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code)
 
 
 # ---- time bounds -------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ figure worth keeping. ``--smoke`` only changes defaults: an option given explici
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Mapping, Sequence
 
 
@@ -33,3 +35,13 @@ def parse_args(
     if known.smoke:
         parser.set_defaults(**smoke)
     return parser.parse_args(argv)
+
+
+def exit_now(code: int) -> None:
+    """Flush and leave with ``os._exit``: a process that loaded the Temporal SDK's runtime can
+    crash while the interpreter finalizes (sdk-python #300; CI saw ``PyGILState_Release`` abort a
+    benchmark after its output was complete), so a benchmark must not depend on a clean
+    finalization for its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -27,7 +27,6 @@ import base64
 import copy
 import json
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from benchmarks.smoke import parse_args
+from benchmarks.smoke import exit_now, parse_args
 from iris.payloadcodec import Keyring
 from iris.temporal import data_converter
 from workflows.job import JobWorkflow
@@ -189,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
