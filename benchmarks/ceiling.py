@@ -25,10 +25,10 @@ from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
-from benchmarks.smoke import exit_now
-
 with workflow.unsafe.imports_passed_through():
     from pydantic import BaseModel
+
+    from benchmarks.smoke import exit_now
 
 CEILING_WORKFLOW = "CeilingWorkflow"
 
