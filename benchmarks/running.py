@@ -70,12 +70,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
 from benchmarks.harness import (
@@ -349,6 +352,27 @@ class WorkerMetrics:
     calls: dict[str, float] = field(default_factory=dict)
 
 
+async def workflow_backlog(client: Client, task_queue: str) -> tuple[int, float] | None:
+    """(tasks waiting, the oldest one's wait in s) on the jobs' workflow task queue, as the server
+    estimates them; None if it cannot say."""
+    try:
+        resp = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace=client.namespace,
+                task_queue=TaskQueue(name=task_queue),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+                report_stats=True,
+            ),
+            timeout=timedelta(seconds=5),
+        )
+    except Exception:
+        return None
+    if not resp.HasField("stats"):
+        return None
+    age = resp.stats.approximate_backlog_age
+    return resp.stats.approximate_backlog_count, age.seconds + age.nanos / 1e9
+
+
 async def scrape(http: httpx.AsyncClient, url: str | None, task_queue: str) -> WorkerMetrics | None:
     if url is None:
         return None
@@ -444,6 +468,9 @@ class Sample:
     slots_used: float | None
     slots_available: float | None
     load1: float
+    # The jobs' workflow task queue: tasks waiting for a poll, and the oldest one's wait (s).
+    wft_backlog: int | None = None
+    wft_backlog_age_s: float | None = None
 
 
 @dataclass
@@ -474,6 +501,8 @@ def configure(args: argparse.Namespace, n: int, gate: Gate) -> tuple[Callable[[F
         if args.retention_s > 0:
             for c in cfg.clusters:
                 c.retention_s = args.retention_s
+        if args.safety_poll_s is not None:
+            cfg.mirror_safety_poll_s = args.safety_poll_s
         if args.cached_workflows:
             # A revision before `[worker]` keeps its own cache size (4,096).
             if "worker" not in type(cfg).model_fields:
@@ -654,6 +683,7 @@ async def run_one(
                 if c in peers:
                     running[c] = sum(1 for j in live if j in held)
             m = await scrape(http, metrics_url, TASK_QUEUE)
+            backlog = await workflow_backlog(stack.client, TASK_QUEUE)
             s = Sample(
                 t_s=time.monotonic() - t0,
                 phase=phase["name"],
@@ -663,6 +693,8 @@ async def run_one(
                 slots_used=m.slots_used if m else None,
                 slots_available=m.slots_available if m else None,
                 load1=os.getloadavg()[0],
+                wft_backlog=backlog[0] if backlog else None,
+                wft_backlog_age_s=backlog[1] if backlog else None,
             )
             samples.append(s)
             return s
@@ -676,7 +708,7 @@ async def run_one(
                     print(
                         f"  t={s.t_s:5.0f}s {s.phase:<8} running={sum(s.running.values()):5d} "
                         f"{dict(s.running)} slots={s.slots_used} worker RSS={s.worker_rss_mib:.0f} MiB "
-                        f"load={s.load1:.2f}",
+                        f"WFT backlog={s.wft_backlog} ({s.wft_backlog_age_s or 0:.0f}s) load={s.load1:.2f}",
                         flush=True,
                     )
                 await asyncio.sleep(args.sample_interval)
@@ -892,6 +924,12 @@ async def run_one(
                     * 1024
                     / max(1, percentile(running_hold, 50)),
                 },
+                "wft_backlog": {
+                    "max": max((s.wft_backlog for s in samples if s.wft_backlog is not None), default=None),
+                    "max_age_s": max(
+                        (a for a in (s.wft_backlog_age_s for s in samples) if a is not None), default=None
+                    ),
+                },
             }
         )
         ctl: dict[str, Any] = {}
@@ -1016,6 +1054,12 @@ def report_one(r: dict[str, Any]) -> None:
         f"worker RSS: idle {w['idle']:.0f} MiB, N running {w['hold']:.0f} MiB, peak {w['hwm']:.0f} MiB "
         f"({w['per_running_job_kib']:.0f} KiB per running job)"
     )
+    b = r.get("wft_backlog") or {}
+    if b.get("max") is not None:
+        print(
+            f"jobs' workflow task backlog: max {b['max']} tasks, oldest {b['max_age_s']:.1f}s "
+            "(tasks waiting for a poll)"
+        )
     if reached:
         print(f"launch rate: {n / reached:.1f} jobs/s to all running")
     ws = r.get("workspace")
@@ -1379,6 +1423,12 @@ def main() -> None:
     p.add_argument("--jobs", type=_counts, default=[300], help="held jobs, e.g. 300,1000,2000 (a stack each)")
     p.add_argument(
         "--peer-slots", type=int, default=0, help="H100 slots per peer (default: enough for N over 2 peers)"
+    )
+    p.add_argument(
+        "--safety-poll-s",
+        type=float,
+        default=None,
+        help="each running job's safety poll (the config's mirror_safety_poll_s; default: the config's)",
     )
     p.add_argument("--max-per-peer", type=int, default=None, help="placements per peer per tick (0 = no cap)")
     p.add_argument(
