@@ -10,7 +10,7 @@ from typing import Any
 
 from temporalio.client import Client
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorAutoscaling, Worker
 
 from activities.admission import AdmissionActivities
 from activities.artifacts import ArtifactActivities
@@ -133,6 +133,12 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         # is replayed from its history first. The cache bounds the worker's memory
         # (`[worker] max_cached_workflows`; docs/DESIGN.md, "Worker memory").
         max_cached_workflows=config.worker.max_cached_workflows,
+        # Polls scaled on the server's feedback, sticky and non-sticky each: a fixed 5 leaves one
+        # poll for the non-sticky queue, and with more running jobs than the cache holds every
+        # wake comes through it (docs/DESIGN.md, "Worker memory").
+        workflow_task_poller_behavior=PollerBehaviorAutoscaling(
+            maximum=config.worker.max_workflow_task_polls
+        ),
         workflow_runner=workflow_runner(),
         # Temporal's tracing interceptor when tracing is on and the client has none (docs/DESIGN.md,
         # "Tracing").
