@@ -478,11 +478,11 @@ class WorkerConfig(BaseModel):
     # replayed from its history when that signal comes (a running job's history is short,
     # continue-as-new bounds it). The worker's memory grows with this, not with the jobs running.
     max_cached_workflows: int = Field(default=4096, ge=1, le=1_000_000)
-    # At most this many polls for workflow tasks open at once, scaled by the server's feedback
-    # (Temporal's autoscaling pollers). With the SDK's fixed default of 5, one of them serves the
-    # non-sticky queue: every new job's first task and every wake of a workflow the cache evicted.
-    # Beyond the cache, that one poll capped the wakes a second (docs/DESIGN.md, "Worker memory").
-    max_workflow_task_polls: int = Field(default=100, ge=2, le=1_000)
+    # Unset: the SDK's fixed 5 polls for workflow tasks, one of them for the non-sticky queue (every
+    # new job's first task, every wake of a workflow the cache evicted). Set: Temporal's autoscaling
+    # polls, at most this many open, for a worker holding more running jobs than its cache, whose
+    # wakes then all come through the non-sticky queue (docs/DESIGN.md, "Worker memory").
+    max_workflow_task_polls: int | None = Field(default=None, ge=2, le=1_000)
 
 
 class FederationConfig(BaseModel):

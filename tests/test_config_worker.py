@@ -1,6 +1,7 @@
-"""``[worker] max_cached_workflows`` (issue 31; docs/DESIGN.md, "Worker memory"): the worker's
-sticky cache is the config's size, the default stays what the worker held before, and a size that
-cannot work is refused at load with one line."""
+"""``[worker]`` (issue 31; docs/DESIGN.md, "Worker memory"): the worker's sticky cache is the
+config's size, the default stays what the worker held before, its workflow task polls scale up to
+``max_workflow_task_polls`` when that is set, and a value that cannot work is refused at load with
+one line."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, cast
 
 import pytest
 from temporalio.client import Client
+from temporalio.worker import PollerBehaviorAutoscaling
 
 import worker.main as worker_main
 from iris.config import ConfigError, load_config
@@ -21,17 +23,27 @@ def test_the_default_is_the_cache_the_worker_held_before() -> None:
 
 
 @pytest.mark.parametrize(
-    ("size", "message"),
+    ("setting", "size", "message"),
     [
-        (0, "worker.max_cached_workflows: Input should be greater than or equal to 1"),
-        ("many", "valid integer"),
+        (
+            "max_cached_workflows",
+            0,
+            "worker.max_cached_workflows: Input should be greater than or equal to 1",
+        ),
+        ("max_cached_workflows", "many", "valid integer"),
+        # One poll for each of the sticky and the non-sticky queue at the least.
+        (
+            "max_workflow_task_polls",
+            1,
+            "worker.max_workflow_task_polls: Input should be greater than or equal to 2",
+        ),
     ],
 )
-def test_a_cache_size_that_cannot_work_is_refused_at_load(tmp_path: Path, size: object, message: str) -> None:
+def test_a_worker_setting_that_cannot_work_is_refused_at_load(
+    tmp_path: Path, setting: str, size: object, message: str
+) -> None:
     path = tmp_path / "clusters.json"
-    path.write_text(
-        json.dumps({**load_config().model_dump(mode="json"), "worker": {"max_cached_workflows": size}})
-    )
+    path.write_text(json.dumps({**load_config().model_dump(mode="json"), "worker": {setting: size}}))
 
     with pytest.raises(ConfigError) as refused:
         load_config(path)
@@ -59,3 +71,33 @@ def test_the_jobs_worker_caches_as_many_workflows_as_configured(
     jobs = asked[config.temporal.task_queue]
     assert jobs["max_cached_workflows"] == 250
     assert sum(1 for kw in asked.values() if kw.get("max_cached_workflows") == 250) == 1  # not the manager's
+
+
+def test_the_jobs_worker_scales_its_workflow_task_polls_only_when_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset, the SDK's fixed five polls; set, autoscaling polls up to that many, for a worker
+    holding more running jobs than its cache (docs/BENCHMARKS.md, "A third try")."""
+    asked: dict[str, dict[str, Any]] = {}
+
+    class Recorded:
+        def __init__(self, client: object, **kwargs: Any) -> None:
+            asked[kwargs["task_queue"]] = kwargs
+
+    monkeypatch.setattr(worker_main, "Worker", Recorded)
+    config = load_config().model_copy(deep=True)
+    store = FederationStore(f"sqlite:///{tmp_path / 'f.db'}")
+    assert config.worker.max_workflow_task_polls is None
+    worker_main.build_worker(cast(Client, object()), config, store)
+    assert "workflow_task_poller_behavior" not in asked[config.temporal.task_queue]
+
+    config.worker.max_workflow_task_polls = 40
+    worker_main.build_worker(cast(Client, object()), config, store)
+    polls = asked[config.temporal.task_queue]["workflow_task_poller_behavior"]
+    assert polls == PollerBehaviorAutoscaling(maximum=40)
+    assert "max_concurrent_workflow_task_polls" not in asked[config.temporal.task_queue]  # it would override
+    assert all(
+        "workflow_task_poller_behavior" not in kw
+        for q, kw in asked.items()
+        if q != config.temporal.task_queue
+    )

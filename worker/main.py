@@ -121,6 +121,13 @@ def job_activities(
     ]
 
 
+def workflow_task_polls(config: FederationConfig) -> dict[str, Any]:
+    """The jobs' worker's workflow task poll settings: none (the SDK's default) unless
+    ``[worker] max_workflow_task_polls`` is set."""
+    most = config.worker.max_workflow_task_polls
+    return {} if most is None else {"workflow_task_poller_behavior": PollerBehaviorAutoscaling(maximum=most)}
+
+
 def build_worker(client: Client, config: FederationConfig, store: FederationStore) -> FederationWorker:
     peers = PeerActivities(config, LogRelay(config), store=store)
     jobs = Worker(
@@ -133,12 +140,9 @@ def build_worker(client: Client, config: FederationConfig, store: FederationStor
         # is replayed from its history first. The cache bounds the worker's memory
         # (`[worker] max_cached_workflows`; docs/DESIGN.md, "Worker memory").
         max_cached_workflows=config.worker.max_cached_workflows,
-        # Polls scaled on the server's feedback, sticky and non-sticky each: a fixed 5 leaves one
-        # poll for the non-sticky queue, and with more running jobs than the cache holds every
-        # wake comes through it (docs/DESIGN.md, "Worker memory").
-        workflow_task_poller_behavior=PollerBehaviorAutoscaling(
-            maximum=config.worker.max_workflow_task_polls
-        ),
+        # Autoscaling polls where the config asks for them, else the SDK's fixed five
+        # (`[worker] max_workflow_task_polls`; docs/DESIGN.md, "Worker memory").
+        **workflow_task_polls(config),
         workflow_runner=workflow_runner(),
         # Temporal's tracing interceptor when tracing is on and the client has none (docs/DESIGN.md,
         # "Tracing").
