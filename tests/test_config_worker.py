@@ -51,11 +51,9 @@ def test_a_worker_setting_that_cannot_work_is_refused_at_load(
     assert message in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_jobs_worker_caches_as_many_workflows_as_configured(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What build_worker asks of the SDK's Worker, by task queue (a Worker needs a connected
-    client; its constructor is the boundary checked here)."""
+def recorded_workers(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """What build_worker asks of the SDK's Worker, by task queue, filled as it builds (a Worker
+    needs a connected client; its constructor is the boundary checked here)."""
     asked: dict[str, dict[str, Any]] = {}
 
     class Recorded:
@@ -63,6 +61,13 @@ def test_the_jobs_worker_caches_as_many_workflows_as_configured(
             asked[kwargs["task_queue"]] = kwargs
 
     monkeypatch.setattr(worker_main, "Worker", Recorded)
+    return asked
+
+
+def test_the_jobs_worker_caches_as_many_workflows_as_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked = recorded_workers(monkeypatch)
     config = load_config().model_copy(deep=True)
     config.worker.max_cached_workflows = 250
     store = FederationStore(f"sqlite:///{tmp_path / 'federation.db'}")
@@ -78,13 +83,7 @@ def test_the_jobs_worker_scales_its_workflow_task_polls_only_when_configured(
 ) -> None:
     """Unset, the SDK's fixed five polls; set, autoscaling polls up to that many, for a worker
     holding more running jobs than its cache (docs/BENCHMARKS.md, "A third try")."""
-    asked: dict[str, dict[str, Any]] = {}
-
-    class Recorded:
-        def __init__(self, client: object, **kwargs: Any) -> None:
-            asked[kwargs["task_queue"]] = kwargs
-
-    monkeypatch.setattr(worker_main, "Worker", Recorded)
+    asked = recorded_workers(monkeypatch)
     config = load_config().model_copy(deep=True)
     store = FederationStore(f"sqlite:///{tmp_path / 'f.db'}")
     assert config.worker.max_workflow_task_polls is None
