@@ -2,9 +2,12 @@
 tells every job running there what changed, instead of one poller per running job.
 
 ``watch_peer`` starts with a listing of every job there, page by page, and signals each one that is
-running or ended recently (so a signal lost since the last run, or a run that never came, costs
-at most one run's length). It then long-polls ``GET /v1/changes`` and signals each changed job's
-workflow (``observe``) with the job's new status. A cursor the cluster cannot answer (it restarted,
+running or ended recently (so a change the feed did not bring, or a run that never came, costs at
+most one run's length), except a job this worker process has already told that very record (its
+feed epoch and version): a signal the server accepted is in the job's history, and sending it again
+only wakes the job (10,000 running jobs: 10,000 wakes every run, each a replay once the worker's
+cache is full). It then long-polls ``GET /v1/changes`` and signals each changed job's workflow
+(``observe``) with the job's new status. A cursor the cluster cannot answer (it restarted,
 or the cursor is too old) is a resync: the listing again. A cluster that stops answering for
 ``silent_report_s`` has each job running there told so once: an observation without a status,
 sent to the jobs a visibility query on ``IrisPeer`` and ``IrisState`` finds, so a watcher that
@@ -61,9 +64,9 @@ class WatchInput(BaseModel):
     wait_s: float = 20.0
     # A cluster silent this long has its running jobs told so (they judge whether it is lost).
     silent_report_s: float = 3.0
-    # On a resync, jobs that ended within this long are signalled too (older ones have long been
-    # mirrored, or their safety poll finds them); at the listing that starts a run, within twice
-    # ``run_for_s`` (the run before this one saw the rest).
+    # On a resync, jobs that ended within this long are signalled too, unless already told (older
+    # ones have long been mirrored, or their safety poll finds them); at the listing that starts a
+    # run, within twice ``run_for_s`` (the run before this one saw the rest).
     recent_s: float = 3600.0
     # After a reply with changes, wait this long before the next poll: changes arriving together
     # share one request (a few requests per second at most, whatever the number of jobs).
@@ -74,6 +77,8 @@ class WatchOutcome(BaseModel):
     cursor: str | None
     signalled: int = 0
     resyncs: int = 0
+    # Jobs a listing left alone: this process had told them that record already.
+    skipped: int = 0
 
 
 def change_time_ms(status: ControllerJobStatus) -> int | None:
@@ -121,15 +126,31 @@ class MirrorLag:
         self._histogram.record(max(0.0, time.time() - changed_at_ms / 1000), self._labels)
 
 
-class _Watch:
-    """One run of the watcher: the cursor and the counts."""
+# A record as a job was told it: its feed epoch and version (with its attempt and state, in case a
+# controller numbers badly). None for a controller without a feed: always told again.
+Told = tuple[str, int, str, str]
 
-    def __init__(self, inp: WatchInput, cursor: str | None, lag: MirrorLag) -> None:
+
+def told_key(status: ControllerJobStatus) -> Told | None:
+    if not status.epoch:
+        return None
+    return status.epoch, status.version, status.nonce, status.state.value
+
+
+class _Watch:
+    """One run of the watcher: the cursor, the counts, and what this worker process has told each
+    job of the cluster (``told``, kept across runs by ``WatchActivities``)."""
+
+    def __init__(
+        self, inp: WatchInput, cursor: str | None, lag: MirrorLag, told: dict[str, Told] | None = None
+    ) -> None:
         self.inp = inp
         self.cursor = cursor
         self.signalled = 0
+        self.skipped = 0
         self.resyncs = 0
         self.lag = lag
+        self.told: dict[str, Told] = {} if told is None else told
         self._gate = asyncio.Semaphore(_SIGNAL_CONCURRENCY)
 
     async def tell(self, job_id: str, seen: Observation, changed_at_ms: int | None = None) -> None:
@@ -138,6 +159,7 @@ class _Watch:
         handle: WorkflowHandle[object, object] = activity.client().get_workflow_handle(
             contract.job_workflow_id(job_id)
         )
+        key = told_key(seen.status) if seen.status is not None else None
         async with self._gate:
             try:
                 await handle.signal(contract.OBSERVE, seen)
@@ -145,6 +167,9 @@ class _Watch:
                 if exc.status not in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
                     raise
                 return
+        # Accepted: the record is in the job's history. (A silence notice tells nothing of it.)
+        if key is not None:
+            self.told[job_id] = key
         self.signalled += 1
         if changed_at_ms is not None:
             self.lag.record(changed_at_ms)
@@ -156,26 +181,41 @@ class _Watch:
     async def tell_changes(self, seen: ChangeList) -> None:
         """Tell each job the feed says changed; the new changes' lag is recorded."""
         self.lag.forget(seen.removed)
+        for job_id in seen.removed:
+            self.told.pop(job_id, None)
         cluster = self.inp.cluster
         told = [(s, self.lag.changed_at(s)) for s in seen.jobs]
         await asyncio.gather(
             *(self.tell(s.job_id, Observation(cluster=cluster, status=s), at) for s, at in told)
         )
 
+    def untold(self, status: ControllerJobStatus) -> bool:
+        """Whether ``status`` is news to its job: not the very record this process last told it."""
+        key = told_key(status)
+        return key is None or self.told.get(status.job_id) != key
+
     async def resync(self, client: ControllerClient, recent_s: float) -> None:
         """List every job (page by page) and tell each running one, or one that ended within
-        ``recent_s``; the feed goes on from the cursor read before the listing."""
+        ``recent_s``, unless it was told that record already; the feed goes on from the cursor read
+        before the listing. What the cluster no longer lists is forgotten."""
         self.resyncs += 1
         page = await client.jobs_page(0)
         cursor = page.cursor
         recent_ms = int((time.time() - recent_s) * 1000)
+        listed: set[str] = set()
         while True:
             self.lag.known(page.jobs)
-            await self.tell_all([s for s in page.jobs if not s.terminal or (s.finished_ms or 0) >= recent_ms])
+            listed.update(s.job_id for s in page.jobs)
+            wanted = [s for s in page.jobs if not s.terminal or (s.finished_ms or 0) >= recent_ms]
+            news = [s for s in wanted if self.untold(s)]
+            self.skipped += len(wanted) - len(news)
+            await self.tell_all(news)
             activity.heartbeat(self.cursor)
             if page.next_after is None:
                 break
             page = await client.jobs_page(page.next_after)
+        for job_id in self.told.keys() - listed:
+            del self.told[job_id]
         self.cursor = cursor
 
     async def tell_silent(self, since_ms: int, error: str) -> int:
@@ -197,6 +237,10 @@ class WatchActivities:
     def __init__(self, config: FederationConfig, *, request_timeout_s: float = 10.0) -> None:
         self._config = config
         self._timeout = request_timeout_s
+        # Per watcher (its workflow id): the record each job of its cluster was last told, kept
+        # across the watcher's runs in this process. A new process starts empty, so its first
+        # listing tells every job again.
+        self._told: dict[str, dict[str, Told]] = {}
 
     @activity.defn(name=contract.WATCH_PEER)
     async def watch_peer(self, inp: WatchInput) -> WatchOutcome:
@@ -206,7 +250,8 @@ class WatchActivities:
         cursor = inp.cursor
         if details:
             cursor = str(details[0]) if details[0] is not None else None
-        watch = _Watch(inp, cursor, MirrorLag(activity.metric_meter(), inp.cluster))
+        memory = self._told.setdefault(activity.info().workflow_id or inp.cluster, {})
+        watch = _Watch(inp, cursor, MirrorLag(activity.metric_meter(), inp.cluster), memory)
         deadline = time.monotonic() + inp.run_for_s
         # When the cluster was first seen silent (wall clock, ms), and whether its jobs were told.
         silent_since: int | None = None
@@ -247,4 +292,6 @@ class WatchActivities:
                 silent_since = None
                 told_silent = False
                 activity.heartbeat(watch.cursor)
-        return WatchOutcome(cursor=watch.cursor, signalled=watch.signalled, resyncs=watch.resyncs)
+        return WatchOutcome(
+            cursor=watch.cursor, signalled=watch.signalled, resyncs=watch.resyncs, skipped=watch.skipped
+        )

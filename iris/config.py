@@ -520,11 +520,12 @@ class FederationConfig(BaseModel):
     # --timeout and four hours for interactive ones.
     backfill: BackfillConfig = BackfillConfig()
     # Mirroring (docs/DESIGN.md, "The change feed"): one watcher per cluster long-polls its change
-    # feed and signals each changed job (and re-signals every running job every 30 minutes); a
-    # running job also asks its cluster itself this often (the safety poll, which also refreshes
-    # its relayed log). 0: no watchers, every running job polls its cluster (the design before the
-    # change feed).
-    mirror_safety_poll_s: float = Field(default=900.0, ge=0)
+    # feed and signals each changed job (and, every 30 minutes, each job whose record it has not
+    # told); a running job also asks its cluster itself this often (the safety poll, which also
+    # refreshes its relayed log). An hour: each poll wakes the job, and 10,000 jobs polling every
+    # 15 minutes were more than one worker could serve (docs/BENCHMARKS.md, "Worker memory").
+    # 0: no watchers, every running job polls its cluster (the design before the change feed).
+    mirror_safety_poll_s: float = Field(default=3600.0, ge=0)
     # The handoff's retries (docs/DESIGN.md, "Errors, retries and parking"): the launch and the
     # bundle staging are tried 6 times, the first retry after handoff_retry_initial_s, each wait
     # doubling up to handoff_retry_max_s (1 s and 10 s: about 25 s before the park). A parked job

@@ -179,3 +179,85 @@ def lost_in(observations: list[Observation]) -> JobStatus | None:
 
 def notice_in(observations: list[Observation]) -> Observation | None:
     return next((o for o in observations if o.status is None), None)
+
+
+async def completed_runs(handle: WorkflowHandle[Any, Any]) -> int:
+    """The watcher's completed runs of ``watch_peer`` (its history's completed activities)."""
+    events = [e async for e in handle.fetch_history_events()]
+    return sum(1 for e in events if e.HasField("activity_task_completed_event_attributes"))
+
+
+async def test_a_listing_does_not_wake_a_job_already_told_that_record(
+    env: WorkflowEnvironment, tmp_path: Path
+) -> None:
+    """Each watcher run starts with a listing; a job this worker process already told the record
+    it lists is not signalled again (each signal wakes the job: a replay, once the worker's cache
+    is full). A change is told; a new process (a fresh ``WatchActivities``) tells every job once."""
+    peer = cluster("peer", backends=[gpu_backend(slots=4)])
+    path = write_config(tmp_path / "c.toml", federation(cluster("home"), peer))
+    config = load_config(path)
+    ctl: Controller = start_controller(path, "peer", tmp_path / "state", port=peer["port"])
+    queue = f"watch-{uuid.uuid4().hex}"
+    handles: list[WorkflowHandle[Any, Any]] = []
+
+    def worker(watch: WatchActivities) -> Worker:
+        return Worker(
+            env.client,
+            task_queue=queue,
+            workflows=[Recorder, PeerWatch],
+            activities=[watch.watch_peer],
+            workflow_runner=UnsandboxedWorkflowRunner(),
+        )
+
+    def states(observations: list[Observation]) -> list[S]:
+        return [o.status.state for o in observations if o.status is not None]
+
+    def records(observations: list[Observation]) -> list[tuple[str, int]]:
+        """The feed records a job was told (a task's change is a record of its own)."""
+        return [(o.status.epoch, o.status.version) for o in observations if o.status is not None]
+
+    def once_each(observations: list[Observation]) -> bool:
+        return len(set(records(observations))) == len(records(observations))
+
+    try:
+        async with ctl.client() as c, worker(WatchActivities(config)):
+            for name in ("w/held", "w/changed"):
+                handles.append(
+                    await env.client.start_workflow(Recorder.run, "peer", id=name, task_queue=queue)
+                )
+                await c.launch(request(py("import time; time.sleep(300)"), job_id=name, gpus=1))
+            held, changed = handles
+            # Runs of 1 s: each begins with a listing.
+            watcher = await env.client.start_workflow(
+                PeerWatch.run,
+                WatcherInput(cluster="peer", wait_s=0.5, run_for_s=1.0),
+                id=contract.peer_watch_workflow_id(queue, "peer"),
+                task_queue=queue,
+            )
+            handles.append(watcher)
+            await poll(lambda: seen(held), lambda s: S.RUNNING in states(s), what="w/held told RUNNING")
+            runs = await completed_runs(watcher)
+            await poll(lambda: completed_runs(watcher), lambda n: n >= runs + 3, what="3 more runs")
+            told = await seen(held)
+            assert once_each(told), f"a record told at every run's listing: {records(told)}"
+            # A change is news: told, once.
+            await c.terminate("w/changed")
+            await poll(lambda: seen(changed), lambda s: S.KILLED in states(s), what="w/changed told KILLED")
+            runs = await completed_runs(watcher)
+            await poll(lambda: completed_runs(watcher), lambda n: n >= runs + 3, what="3 more runs")
+            ended = await seen(changed)
+            assert states(ended)[-1] is S.KILLED and states(ended).count(S.KILLED) == 1, states(ended)
+            assert once_each(ended), records(ended)
+            told = await seen(held)
+            assert once_each(told), records(told)
+        # A new process knows nothing it told: its first listing tells the running job again.
+        async with worker(WatchActivities(config)):
+            again = await poll(
+                lambda: seen(held), lambda s: len(s) > len(told), what="the new process's listing"
+            )
+            assert records(again)[-1] == records(told)[-1], "the same record, told again"
+    finally:
+        ctl.stop()
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                await handle.terminate("test over")
