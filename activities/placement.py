@@ -25,7 +25,7 @@ from iris.controller.client import ControllerClient
 from iris.controller.errors import ControllerError, NotFound
 from iris.jobs import WaitReason
 from iris.policy import HandoffPace, plan_request
-from iris.policy.fairshare import held_devices, user_shares
+from iris.policy.fairshare import Holdings
 from iris.policy.models import (
     DeviceRequest,
     FairShare,
@@ -167,12 +167,14 @@ class TickMetrics:
                 where = (("peer", report.peer_id), ("backend", backend.backend_id))
                 for token, amount in amounts.items():
                     free[(*where, ("device", token))] = amount
+        # Every running job, counted once for both (docs/DESIGN.md, "Fair share and aging").
+        held = Holdings(in_use)
         per_user: dict[Labels, int] = {}
-        for user, bands in held_devices(in_use).items():
+        for user, bands in held.devices().items():
             for band, n in bands.items():
                 per_user[(("user", user), ("band", band.label))] = n
         share: dict[Labels, float] = {
-            (("user", u),): s for u, s in user_shares(in_use, view.reports, fair_share or FairShare()).items()
+            (("user", u),): s for u, s in held.shares(view.reports, fair_share or FairShare()).items()
         }
         self._meter = meter
         self._set(meter, metrics.QUEUED_JOBS, counts)
@@ -442,7 +444,10 @@ class PlacementActivities:
         paced_at = time.monotonic()
         allowance = self._pace.allowance([r.peer_id for r in reports], paced_at) if self._pace else {}
         t0 = time.perf_counter()
-        result = plan_request(
+        # In a thread, as the store reads are: with thousands of jobs held the plan takes tens of
+        # ms, which on the event loop would hold up every other activity of this worker.
+        result = await asyncio.to_thread(
+            plan_request,
             PlanRequest(
                 home=view.home,
                 jobs=planned,
@@ -457,7 +462,7 @@ class PlacementActivities:
                 in_use=holding,
                 fair_share=self._config.fair_share(),
                 backfill=self._config.backfill_policy(),
-            )
+            ),
         )
         plan_ms = (time.perf_counter() - t0) * 1000
         offered_at = time.monotonic()

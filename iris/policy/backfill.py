@@ -22,7 +22,7 @@ from bisect import insort
 from collections.abc import Iterable, Sequence
 
 from iris.policy.availability import gate
-from iris.policy.models import Backfill, Hold, JobShape
+from iris.policy.models import DEFAULT_BAND_LIMITS_MS, Backfill, Band, Hold, JobShape
 
 # (peer id, backend id, token)
 Slot = tuple[str, str, str]
@@ -36,14 +36,39 @@ class Releases:
     def __init__(self, in_use: Iterable[JobShape], settings: Backfill, now_ms: int) -> None:
         self.now_ms = now_ms
         self.settings = settings
-        self.ends: dict[Slot, list[tuple[int, int]]] = {}
+        ends: dict[Slot, list[tuple[int, int]]] = {}
+        # A tick counts every running job (thousands, most alike): each kind of device is gated
+        # once, and each slot's ends are gathered, then sorted once (the lists insertion builds).
+        gates: dict[tuple[str, str, int, int], tuple[str, int] | None] = {}
+        # Backfill.limit_ms's default, per band once.
+        defaults = {band: settings.default_limit_ms.get(band, DEFAULT_BAND_LIMITS_MS[band]) for band in Band}
         for job in in_use:
             where = job.running_on
-            need = gate(job.device)
-            if where is None or need is None:
+            if where is None:
                 continue
-            end = max(where.since_ms + settings.limit_ms(job), now_ms)
-            self.add((where.peer_id, where.backend_id, need[0]), end, need[1])
+            d = job.device
+            kind = (d.type, d.variant, d.count, d.replicas)
+            if kind in gates:
+                need = gates[kind]
+            else:
+                need = gates[kind] = gate(d)
+            if need is None:
+                continue
+            token, amount = need
+            if amount > 0:
+                limit = job.time_limit_ms
+                end = where.since_ms + (defaults[job.band] if limit is None else limit)
+                if end < now_ms:
+                    end = now_ms  # overdue: taken as ending now
+                slot = (where.peer_id, where.backend_id, token)
+                got = ends.get(slot)
+                if got is None:
+                    ends[slot] = [(end, amount)]
+                else:
+                    got.append((end, amount))
+        for got in ends.values():
+            got.sort()
+        self.ends = ends
 
     def add(self, slot: Slot, end_ms: int, amount: int) -> None:
         if amount > 0:

@@ -115,16 +115,59 @@ def quota_refusal(job: JobShape, user: str, held: int, held_in_band: int, quotas
     return None
 
 
+class Holdings:
+    """The jobs holding devices, counted by kind for what is read of them: each user's devices by
+    band (:meth:`devices`) and dominant share (:meth:`shares`), and a tick's :class:`Shares`.
+
+    ``kinds``: (account, one of its jobs, how many) per (account, band, device type, variant,
+    count, replicas), in first-seen order; a duplicated job id counts once. Every job of a kind
+    holds what the one given holds. A tick reads every running job, thousands of them and most
+    alike: they are walked once here, and what a job holds is then worked out once per kind."""
+
+    __slots__ = ("kinds",)
+
+    def __init__(self, in_use: Iterable[JobShape]) -> None:
+        seen: set[str] = set()
+        counts: dict[tuple[str, Band, str, str, int, int], int] = {}
+        first: dict[tuple[str, Band, str, str, int, int], tuple[str, JobShape]] = {}
+        for job in in_use:
+            job_id = job.job_id
+            if job_id in seen:
+                continue
+            seen.add(job_id)
+            d = job.device
+            user = job.user or job_id.partition("/")[0]
+            kind = (user, job.band, d.type, d.variant, d.count, d.replicas)
+            n = counts.get(kind)
+            if n is None:
+                counts[kind] = 1
+                first[kind] = (user, job)
+            else:
+                counts[kind] = n + 1
+        self.kinds: list[tuple[str, JobShape, int]] = [(*first[kind], n) for kind, n in counts.items()]
+
+    def devices(self) -> dict[str, dict[Band, int]]:
+        """Per user, the devices its jobs hold, by band (what a cap counts); users holding none are
+        left out."""
+        out: dict[str, dict[Band, int]] = {}
+        for user, job, count in self.kinds:
+            n = devices(job) * count
+            if n:
+                per_band = out.setdefault(user, {})
+                per_band[job.band] = per_band.get(job.band, 0) + n
+        return out
+
+    def shares(self, reports: Iterable[PeerReport], policy: FairShare) -> dict[str, float]:
+        """Each user holding devices, with its dominant share of them now, by user."""
+        shares = Shares((), federation_totals(reports), policy, held=self)
+        users = sorted({*shares.used, *self.devices()})
+        return {user: shares.share(user) for user in users}
+
+
 def held_devices(in_use: Iterable[JobShape]) -> dict[str, dict[Band, int]]:
     """Per user, the devices its jobs in ``in_use`` hold, by band (what a cap counts); users
     holding none are left out. A duplicated job id counts once."""
-    out: dict[str, dict[Band, int]] = {}
-    for job, user in unique_jobs(in_use):
-        n = devices(job)
-        if n:
-            per_band = out.setdefault(user, {})
-            per_band[job.band] = per_band.get(job.band, 0) + n
-    return out
+    return Holdings(in_use).devices()
 
 
 def user_shares(
@@ -132,21 +175,27 @@ def user_shares(
 ) -> dict[str, float]:
     """Each user holding devices, with its dominant share of them now (what ``iris job list
     --shares`` and ``iris_user_share`` show), by user."""
-    shares = Shares(in_use, federation_totals(reports), policy)
-    users = sorted({*shares.used, *held_devices(in_use)})
-    return {user: shares.share(user) for user in users}
+    return Holdings(in_use).shares(reports, policy)
 
 
 class Shares:
     """What each user holds during one tick: its devices per token and in all, and its share.
 
     Built from the jobs holding devices now; :meth:`charge` adds each placement, so a share only
-    grows within a tick (the planner's lazy re-keying relies on it).
+    grows within a tick (the planner's lazy re-keying relies on it). ``held``: ``in_use`` already
+    counted (``in_use`` is then not read).
     """
 
     __slots__ = ("band_devices", "devices", "policy", "shares", "totals", "used", "version")
 
-    def __init__(self, in_use: Sequence[JobShape], totals: dict[str, int], policy: FairShare) -> None:
+    def __init__(
+        self,
+        in_use: Sequence[JobShape],
+        totals: dict[str, int],
+        policy: FairShare,
+        *,
+        held: Holdings | None = None,
+    ) -> None:
         self.policy = policy
         # Only tokens with a known, non-zero total measure a share.
         self.totals = {t: n for t, n in totals.items() if n > 0}
@@ -156,20 +205,17 @@ class Shares:
         self.shares: dict[str, float] = {}
         # Per user, how many times its share changed this tick.
         self.version: dict[str, int] = {}
-        seen: set[str] = set()
-        for job in in_use:
-            if job.job_id in seen:
-                continue
-            seen.add(job.job_id)
-            self._add(account(job), job)
+        for user, job, count in (Holdings(in_use) if held is None else held).kinds:
+            self._add(user, job, count)
 
-    def _add(self, user: str, job: JobShape) -> None:
+    def _add(self, user: str, job: JobShape, count: int = 1) -> None:
+        """``count`` jobs like ``job`` of ``user`` hold their devices."""
         need = gate(job.device)
         if need is not None:
             token, amount = need
             per_token = self.used.setdefault(user, {})
-            per_token[token] = per_token.get(token, 0) + amount
-        n = devices(job)
+            per_token[token] = per_token.get(token, 0) + amount * count
+        n = devices(job) * count
         if n:
             self.devices[user] = self.devices.get(user, 0) + n
             key = (user, job.band)

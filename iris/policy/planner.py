@@ -697,6 +697,10 @@ def _plan(
     policy: FairShare,
     backfill: Backfill,
 ) -> PlanResult:
+    if not jobs:
+        # Nothing to place, expire or explain: what the rest would build from the jobs holding
+        # devices (thousands, every tick) would go unread.
+        return PlanResult()
     releases = Releases(in_use, backfill, now_ms) if backfill.enabled else None
     tick = _Tick(home, reports, reservations, now_ms, stale_after_ms, limits, releases)
     shares = Shares(in_use, federation_totals(reports), policy)

@@ -56,6 +56,8 @@ _MAX_ATTEMPTS = 6
 # Keeps IN lists under SQLite's bound-parameter limit.
 _CHUNK = 500
 _LIVE_ASSIGNED = (HandleState.PENDING_HANDOFF, HandleState.HANDED_OFF, HandleState.HANDOFF_FAILED)
+# A holding job's row as ``in_use`` reads it: (shape JSON, assigned peer, assigned backend, updated_ms).
+_InUseRow = tuple[str, str | None, str | None, int]
 
 
 def _now_ms() -> int:
@@ -135,6 +137,8 @@ class FederationStore:
         else:
             raise StoreError(f"unsupported federation store URL {parsed.render_as_string()!r}")
         self._url = parsed.render_as_string(hide_password=True)
+        # The shapes ``in_use`` returned last, by what they were parsed from: its rows' columns.
+        self._in_use_shapes: dict[_InUseRow, JobShape] = {}
         try:
             self._open()
         except BaseException:
@@ -293,23 +297,40 @@ class FederationStore:
         empty, and the policy reads the job id's prefix) and its time limit; ``running_on`` is the
         handle's peer and backend, since its last change (the promotion, then the handoff), which
         backfill reads as its start (docs/DESIGN.md, "Backfill"). A force-routed job (no backend)
-        has none."""
+        has none.
+
+        Every tick reads every running job here (docs/DESIGN.md, "The tick"), and nearly all are
+        unchanged since the last read: a row whose shape JSON, peer, backend and ``updated_ms`` are
+        all as the last call read them gets the shape that call parsed, the same object. So the
+        shapes returned are shared between calls: read them, never change them. Only the rows of
+        this call are kept for the next (a job that stopped holding devices is forgotten)."""
         holding = [HandleState.PENDING_HANDOFF.value, HandleState.HANDED_OFF.value]
         t = job_handles.c
 
         def body(conn: Connection) -> list[JobShape]:
+            # Fetched at once (``all``): a row at a time costs a call per row.
             rows = conn.execute(
                 select(t.shape, t.assigned_peer, t.assigned_backend, t.updated_ms)
                 .where(t.state.in_(holding))
                 .order_by(t.job_id)
-            )
+            ).all()
+            known = self._in_use_shapes
+            seen: dict[_InUseRow, JobShape] = {}
             shapes: list[JobShape] = []
             for shape, peer_id, backend_id, since_ms in rows:
-                parsed = JobShape.model_validate_json(shape)
-                if peer_id and backend_id:
-                    where = RunningOn(peer_id=peer_id, backend_id=backend_id, since_ms=since_ms)
-                    parsed = parsed.model_copy(update={"running_on": where})
+                key = (shape, peer_id, backend_id, since_ms)
+                parsed = known.get(key)
+                if parsed is None:
+                    parsed = JobShape.model_validate_json(shape)
+                    if peer_id and backend_id:
+                        # Parsed here and not yet shared: set in place rather than copied.
+                        where = RunningOn(peer_id=peer_id, backend_id=backend_id, since_ms=since_ms)
+                        parsed.running_on = where
+                seen[key] = parsed
                 shapes.append(parsed)
+            # Replaced whole, never changed in place: a concurrent call (the tick, a queue-position
+            # inquiry) reads one map or the other, and either gives it right shapes.
+            self._in_use_shapes = seen
             return shapes
 
         return self._run(body, write=False)

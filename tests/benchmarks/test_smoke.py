@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import wake
+from benchmarks import policy_bench, wake
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # A smoke run takes seconds to a minute on two quiet cores; this bounds a busy CI machine's.
@@ -104,6 +104,11 @@ def check_policy_bench(run: Run, tmp: Path) -> None:
     # One case, 300 jobs x 5 clusters x 4 backends; the planner matched the reference (a mismatch
     # exits non-zero).
     assert re.search(r"^\s+300\s+5\s+20\s+\d+\s+\d+\s+[\d.]+", run.stdout, re.MULTILINE), run.stdout
+    # The tick's own work with 0 and 40 jobs held running: every step timed, every held job in use.
+    held = run.stdout.split("The tick's own work with N jobs held running", 1)[1]
+    for step in (*policy_bench.HELD_STEPS, r"tick \(ms\)"):
+        assert re.search(rf"^{step}\s+[\d.]+\s+[\d.]+$", held, re.MULTILINE), held
+    assert re.search(r"^in use\s+0\s+40$", held, re.MULTILINE), held
 
 
 def check_wake(run: Run, tmp: Path) -> None:

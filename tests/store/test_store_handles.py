@@ -237,3 +237,59 @@ def test_in_use_is_the_shapes_of_the_promoted_and_handed_off_jobs(store: Federat
     payload = old.shape.model_dump(exclude={"user"})
     assert "user" not in payload
     assert JobHandle(job_id="dave/old", incarnation="inc-1", shape=payload).shape.user == ""  # type: ignore[arg-type]
+
+
+def test_in_use_reads_every_change_of_a_holding_job_and_forgets_the_jobs_that_stop(
+    store: FederationStore,
+) -> None:
+    """Each tick reads every running job, so ``in_use`` keeps the shapes it parsed for the next call;
+    a row that changed in any column it reads is read anew: the handoff moves ``running_on``'s
+    start, a promotion elsewhere its peer (at the same ``updated_ms`` as before), a new incarnation
+    its shape (same peer, backend and ``updated_ms``); a job that stops holding devices is gone."""
+    other = "cw-us-west-01b"
+    store.save_reports([report(PEER, gpu_backend(free=32)), report(other, gpu_backend(free=32))])
+    store.enqueue(handle("alice/a", gpus=4))
+    store.enqueue(handle("bob/b", gpus=2))
+    store.enqueue(handle("carol/queued", gpus=1))
+
+    def held() -> list[tuple[str, int, str | None, int | None]]:
+        return [
+            (
+                s.job_id,
+                s.device.count,
+                s.running_on.peer_id if s.running_on else None,
+                s.running_on.since_ms if s.running_on else None,
+            )
+            for s in store.in_use()
+        ]
+
+    assert store.promote("alice/a", "inc-1", placement("alice/a", need=4), NOW).promoted
+    assert store.promote("bob/b", "inc-1", placement("bob/b", need=2), NOW).promoted
+    first = store.in_use()
+    assert held() == [("alice/a", 4, PEER, NOW), ("bob/b", 2, PEER, NOW)]
+    # Unchanged: the shapes the last call parsed (shared; nobody changes them).
+    assert [a is b for a, b in zip(store.in_use(), first, strict=True)] == [True, True]
+
+    # Requeued and promoted to another peer before the next read, with the very ``updated_ms`` of
+    # the first promotion.
+    assert store.requeue("alice/a", "inc-1")
+    assert store.promote("alice/a", "inc-1", placement("alice/a", peer=other, need=4), NOW).promoted
+    assert held() == [("alice/a", 4, other, NOW), ("bob/b", 2, PEER, NOW)]
+
+    # Ended, and a new incarnation of another shape promoted to the same place at the same time.
+    assert store.set_state("alice/a", "inc-1", HandleState.SUCCEEDED) is not None
+    store.enqueue(handle("alice/a", "inc-2", gpus=8))
+    assert store.promote("alice/a", "inc-2", placement("alice/a", peer=other, need=8), NOW).promoted
+    assert held() == [("alice/a", 8, other, NOW), ("bob/b", 2, PEER, NOW)]
+
+    # The handoff: the same peer, since the handoff's time.
+    assert store.set_state("alice/a", "inc-2", HandleState.HANDED_OFF) is not None
+    handed = store.get("alice/a")
+    assert handed is not None and handed.updated_ms != NOW
+    assert held() == [("alice/a", 8, other, handed.updated_ms), ("bob/b", 2, PEER, NOW)]
+
+    # Requeued, parked: holding nothing, gone.
+    assert store.requeue("bob/b", "inc-1")
+    assert held() == [("alice/a", 8, other, handed.updated_ms)]
+    assert store.set_state("alice/a", "inc-2", HandleState.HANDOFF_FAILED, "peer down") is not None
+    assert held() == []
