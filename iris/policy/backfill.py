@@ -22,7 +22,7 @@ from bisect import insort
 from collections.abc import Iterable, Sequence
 
 from iris.policy.availability import gate
-from iris.policy.models import DEFAULT_BAND_LIMITS_MS, Backfill, Band, Hold, JobShape
+from iris.policy.models import Backfill, Hold, JobShape
 
 # (peer id, backend id, token)
 Slot = tuple[str, str, str]
@@ -40,8 +40,6 @@ class Releases:
         # A tick counts every running job (thousands, most alike): each kind of device is gated
         # once, and each slot's ends are gathered, then sorted once (the lists insertion builds).
         gates: dict[tuple[str, str, int, int], tuple[str, int] | None] = {}
-        # Backfill.limit_ms's default, per band once.
-        defaults = {band: settings.default_limit_ms.get(band, DEFAULT_BAND_LIMITS_MS[band]) for band in Band}
         for job in in_use:
             where = job.running_on
             if where is None:
@@ -56,10 +54,8 @@ class Releases:
                 continue
             token, amount = need
             if amount > 0:
-                limit = job.time_limit_ms
-                end = where.since_ms + (defaults[job.band] if limit is None else limit)
-                if end < now_ms:
-                    end = now_ms  # overdue: taken as ending now
+                # Overdue: taken as ending now.
+                end = max(where.since_ms + settings.limit_ms(job), now_ms)
                 slot = (where.peer_id, where.backend_id, token)
                 got = ends.get(slot)
                 if got is None:

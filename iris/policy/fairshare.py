@@ -136,7 +136,7 @@ class Holdings:
                 continue
             seen.add(job_id)
             d = job.device
-            user = job.user or job_id.partition("/")[0]
+            user = account(job)
             kind = (user, job.band, d.type, d.variant, d.count, d.replicas)
             n = counts.get(kind)
             if n is None:
