@@ -18,6 +18,12 @@ Issue 31, acceptance 5 (docs/BENCHMARKS.md, "Placement at sweep speed"). On a fr
 - then the gate opens, the jobs end, and the run checks that every one SUCCEEDED on the peer and
   closed at home (a placement that ran a job twice, or lost one, fails the run).
 
+``--ceiling`` then measures the engine's own rate for the same steps on the same server: N no-op
+workflows (``benchmarks/ceiling.py``) shaped like a job's history up to its launch (the sampled
+histories' most common steps, cut after the last activity: the launch), submitted the same way,
+timed from the first start to the last close. Placements a second over that rate is the ramp's
+ratio to the engine: what the placement pipeline could reach on this machine at best.
+
 ``--profile`` py-spies the worker over the ramp (only the thread holding the GIL). Not a test:
 numbers depend on the machine; ``--smoke`` is a tiny run that only shows the path works.
 """
@@ -43,6 +49,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ceiling import CeilingInput
+from benchmarks.e2e import GPU, ceiling_phase
 from benchmarks.harness import (
     AccessLogCounter,
     BenchError,
@@ -229,6 +237,10 @@ async def run(args: argparse.Namespace) -> int:
                 "load": load.summary(),
             }
         )
+        if args.ceiling:
+            out["ceiling"] = c = await ceiling_rate(stack, stats, n, args.concurrency, deadline)
+            rate = out["placements_per_s"]
+            c["ratio"] = rate / c["per_s"] if rate else None
         report(out)
         write_json(args.out, out)
         ok = reached_s is not None and peer_states.get("SUCCEEDED", 0) == n and open_left == 0
@@ -241,6 +253,42 @@ async def run(args: argparse.Namespace) -> int:
         gate.remove()
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def launch_steps(stats: list[HistoryStats]) -> str:
+    """A job's steps up to its launch: the sampled histories' most common step sequence, cut after
+    its last activity (the launch; a job sampled while RUNNING has no activity after it)."""
+    if not stats:
+        raise BenchError("no job history was sampled: the ceiling has no shape to copy")
+    steps, _ = Counter(h.steps for h in stats).most_common(1)[0]
+    last = steps.rfind("a")
+    if last < 0:
+        raise BenchError(f"the sampled jobs ran no activity before RUNNING (steps {steps!r})")
+    return steps[: last + 1]
+
+
+async def ceiling_rate(
+    stack: BenchStack, stats: list[HistoryStats], n: int, concurrency: int, deadline: Deadline
+) -> dict[str, Any]:
+    """The engine's rate for a job's steps up to its launch, on the same server (its own no-op
+    worker process; the iris worker stays up, idle)."""
+    steps = launch_steps(stats)
+    print(f"[{time.strftime('%X')}] ceiling: {n} no-op workflows of steps {steps!r}", flush=True)
+    _, phase = await ceiling_phase(
+        stack, {GPU: CeilingInput(steps=steps)}, n, 0, 0.0, concurrency, deadline, "placement"
+    )
+    closed = [j.closed_ms for j in phase.jobs if j.closed_ms is not None]
+    if len(closed) < n:
+        raise BenchError(f"only {len(closed)} of {n} ceiling workflows closed")
+    span_s = max(0.001, (max(closed) - phase.t0_ms) / 1000)
+    used = phase.cpu.used
+    return {
+        "steps": steps,
+        "all_closed_s": span_s,
+        "per_s": n / span_s,
+        "cpu_ms_per_job": {k: 1000 * v / n for k, v in used.items()},
+        "load": phase.load,
+    }
 
 
 def history_summary(stats: list[HistoryStats]) -> dict[str, Any]:
@@ -297,6 +345,15 @@ def report(r: dict[str, Any]) -> None:
     print("  signals: " + ", ".join(f"{a} {c:.2f}" for a, c in h["signals"].items()))
     print(f"after the drain: peer states {r['peer_states']}; workflows still open {r['open_after_drain']}")
     print(f"load over the ramp: {r['load']}")
+    c = r.get("ceiling")
+    if c:
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in c["cpu_ms_per_job"].items() if v >= 0.05)
+        ratio = f"{c['ratio']:.2f}" if c["ratio"] is not None else "n/a (the ramp did not finish)"
+        print(
+            f"the engine's ceiling for the steps up to the launch ({c['steps']!r}): {n} no-op workflows"
+            f" all closed after {c['all_closed_s']:.1f}s, {c['per_s']:.1f} a second; placements/ceiling"
+            f" = {ratio}; CPU ms per workflow: {cpu}; load {c['load']}"
+        )
     prof = r.get("profile")
     if prof:
         print("worker profile over the ramp (GIL holder), project frames, inclusive share:")
@@ -319,6 +376,11 @@ def main() -> None:
     p.add_argument("--history-sample", type=int, default=20, help="job histories read once all run")
     p.add_argument("--timeout", type=float, default=1800, help="bound on the whole run, seconds")
     p.add_argument("--profile", action="store_true", help="py-spy the worker over the ramp (GIL holder)")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="then time N no-op workflows of a job's steps up to its launch on the same server",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the stack's temp directory")
     add_source_argument(p)

@@ -152,6 +152,9 @@ def check_placement(run: Run, tmp: Path) -> None:
     assert _dict_after("peer states", out) == {"SUCCEEDED": 6}
     assert "workflows still open 0" in out
     assert "placement ticks in the ramp:" in out and "history per job up to RUNNING" in out
+    # --ceiling: the engine's own rate for the job's steps up to its launch, on the same server.
+    assert re.search(r"ceiling for the steps up to the launch \('a[als]*a'\): 6 no-op", out), out
+    assert re.search(r"placements/ceiling = \d+\.\d\d", out), out
 
 
 def check_trace(run: Run, tmp: Path) -> None:
@@ -235,7 +238,7 @@ SMOKES = [
     Smoke("bundles", check_bundles),
     Smoke("controller_requests", check_controller_requests),
     Smoke("running", check_running),
-    Smoke("placement", check_placement),
+    Smoke("placement", check_placement, ("--ceiling",)),
     Smoke("trace", check_trace),
     # The same trace with the GPU peers on a single-node Slurm (issue 30).
     Smoke("trace", check_trace, ("--backend", "slurm"), needs=slurm_available, name="trace-slurm"),
