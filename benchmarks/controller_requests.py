@@ -21,7 +21,9 @@ column.
 on a CPU backend with N slots, all running at once, each ending at a whole second spread evenly
 over one minute. Sampled every second: saves per second (every save takes the next change-feed
 version, read from the cursor of ``GET /v1/jobs?limit=1``), the controller's CPU, and the latency
-of ``GET /v1/health`` (an event-loop stall shows there).
+of ``GET /v1/health`` (an event-loop stall shows there). ``--bystanders K`` keeps K idle processes
+of another run id on the host meanwhile, as another peer's running jobs would be: each is one more
+process a look through /proc for an ended run's leftovers reads.
 
 Runs on a frozen copy of ``--source`` (default HEAD), like ``e2e`` (``benchmarks/source.py``):
 compare ``--source <old-rev>`` with ``--source HEAD``. Not a test. Results: docs/DESIGN.md
@@ -228,11 +230,24 @@ def run_size(n_jobs: int, requests: int, workdir: Path) -> dict[str, Any]:
     return out
 
 
-async def _finishing(n: int, workdir: Path, window_s: int = 60, lead_s: int = 30) -> dict[str, Any]:
+def _bystanders(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` idle processes carrying a run id of their own, as another controller's jobs on the same
+    host would: each is a process a look through /proc for leftovers reads."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "IRIS_RUN_ID": "bench-bystander"}
+    return [
+        subprocess.Popen(["sleep", "3600"], env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+
+
+async def _finishing(
+    n: int, workdir: Path, window_s: int = 60, lead_s: int = 30, bystanders: int = 0
+) -> dict[str, Any]:
     state_dir = workdir / "state-finishing"
     port = _free_port()
     cfg = workdir / "clusters-finishing.toml"
     _config(cfg, port, CPU_BACKEND.format(slots=n))
+    others = _bystanders(bystanders)
     proc, _ = _start(cfg, state_dir, port)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -280,6 +295,9 @@ async def _finishing(n: int, workdir: Path, window_s: int = 60, lead_s: int = 30
                 await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
             jobs = await _all_jobs(client)
     finally:
+        for other in others:
+            other.kill()
+            other.wait()
         proc.terminate()
         try:
             proc.wait(30)
@@ -300,6 +318,7 @@ async def _finishing(n: int, workdir: Path, window_s: int = 60, lead_s: int = 30
         states[j["state"]] = states.get(j["state"], 0) + 1
     return {
         "jobs": n,
+        "bystanders": bystanders,
         "launch_s": launch_s,
         "launch_late_s": late,
         "states": states,
@@ -342,11 +361,24 @@ def main() -> int:
         "--finish-window", type=int, default=60, help="seconds over which the --finishing jobs end"
     )
     p.add_argument("--finish-lead", type=int, default=30, help="seconds to the first end (+1 per 25 jobs)")
+    p.add_argument(
+        "--bystanders",
+        type=int,
+        default=0,
+        help="idle processes of another run id on the host while --finishing runs (another peer's jobs)",
+    )
     p.add_argument("--source", default="HEAD", help="git revision, 'worktree' or a directory")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = parse_args(
         p,
-        {"jobs": "0,50", "requests": 20, "finishing": 10, "finish_window": 3, "finish_lead": 2},
+        {
+            "jobs": "0,50",
+            "requests": 20,
+            "finishing": 10,
+            "finish_window": 3,
+            "finish_lead": 2,
+            "bystanders": 5,
+        },
     )
     sizes = [int(s) for s in args.jobs.split(",") if s.strip()]
     workdir = Path(tempfile.mkdtemp(prefix="iris-bench-requests-"))
@@ -359,7 +391,13 @@ def main() -> int:
         if args.finishing:
             print(f"{args.finishing} jobs ending within {args.finish_window} s...", flush=True)
             finishing = asyncio.run(
-                _finishing(args.finishing, workdir, window_s=args.finish_window, lead_s=args.finish_lead)
+                _finishing(
+                    args.finishing,
+                    workdir,
+                    window_s=args.finish_window,
+                    lead_s=args.finish_lead,
+                    bystanders=args.bystanders,
+                )
             )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -389,7 +427,8 @@ def main() -> int:
         f = finishing
         h, lag = f["health_ms"], f["exit_to_settled_s"]
         print(
-            f"{f['jobs']} jobs launched in {f['launch_s']:.1f} s "
+            f"{f['jobs']} jobs ({f.get('bystanders', 0)} bystander processes) "
+            f"launched in {f['launch_s']:.1f} s "
             f"({f['launch_late_s']:.1f} s past the first end); ended {f['states']} over "
             f"{f['finish_window_s']:.1f} s: {f['saves_per_job']:.1f} saves per job, "
             f"{f['saves_per_s_mean']:.0f} saves/s mean, {f['saves_per_s_max']:.0f} max; controller CPU "

@@ -98,6 +98,7 @@ def check_controller_requests(run: Run, tmp: Path) -> None:
     for route in ("health", "backends", "job", "changes", "jobs_page"):
         assert re.search(rf"^{route}\s+\S", out, re.MULTILINE)
     assert _dict_after("ended", out) == {"SUCCEEDED": 10}
+    assert "10 jobs (5 bystander processes) launched" in out
 
 
 def check_policy_bench(run: Run, tmp: Path) -> None:

@@ -17,7 +17,8 @@ import math
 import os
 import secrets
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,12 +130,14 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def kill_leftovers(run_ids: set[str]) -> dict[str, int]:
+def kill_leftovers(run_ids: set[str], skip: AbstractSet[int] = frozenset()) -> dict[str, int]:
     """SIGKILL every process whose environment carries one of ``run_ids``; count kills per run id.
 
     Processes of a job outlive a controller killed with -9 (they have their own session). The run id
     in their environment identifies them without trusting recorded pids, which may have been reused.
     One call reads every process's environment: ask for many run ids at once (``LeftoverSweeper``).
+    ``skip``: pids known to be of no asked run, whose environment is not read (the live main
+    processes of other runs: children not yet reaped, so their pids cannot have been reused).
     """
     killed: dict[str, int] = {}
     if not run_ids:
@@ -146,7 +149,7 @@ def kill_leftovers(run_ids: set[str]) -> dict[str, int]:
     except OSError:
         return killed
     for name in names:
-        if not name.isdigit():
+        if not name.isdigit() or (skip and int(name) in skip):
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
@@ -171,17 +174,26 @@ class LeftoverSweeper:
     job would cost O(processes) each, O(N²) when N running jobs end together (docs/DESIGN.md,
     "Controller costs"). Scans begin at most every ``min_interval_s``, so jobs ending at any rate
     cost at most a few scans a second; a job ending alone is scanned for at once. A run is only ever
-    answered by a scan that began after it asked."""
+    answered by a scan that began after it asked.
 
-    def __init__(self, min_interval_s: float = 0.25) -> None:
+    ``skip`` names, when a scan begins, the pids whose environment it need not read
+    (``kill_leftovers``). ``asked`` and ``scans`` count the runs asked for and the scans made."""
+
+    def __init__(
+        self, min_interval_s: float = 0.25, skip: Callable[[], AbstractSet[int]] | None = None
+    ) -> None:
         self.min_interval_s = min_interval_s
+        self._skip = skip
         self._waiting: dict[str, asyncio.Future[int]] = {}
         self._scanning: asyncio.Task[None] | None = None
         self._last_scan = -math.inf
+        self.asked = 0
+        self.scans = 0
 
     async def kill(self, run_id: str) -> int:
         """SIGKILL the processes left with ``run_id`` in their environment; how many."""
         loop = asyncio.get_running_loop()
+        self.asked += 1
         future = self._waiting.get(run_id)
         if future is None:
             future = self._waiting[run_id] = loop.create_future()
@@ -195,8 +207,10 @@ class LeftoverSweeper:
             await asyncio.sleep(max(0.0, self._last_scan + self.min_interval_s - loop.time()))
             self._last_scan = loop.time()
             batch, self._waiting = self._waiting, {}
+            skip = self._skip() if self._skip is not None else frozenset()
+            self.scans += 1
             try:
-                killed = await asyncio.to_thread(kill_leftovers, set(batch))
+                killed = await asyncio.to_thread(kill_leftovers, set(batch), skip)
             except Exception as exc:  # each waiter's job settles with it
                 for future in batch.values():
                     if not future.done():
@@ -253,7 +267,7 @@ class ProcessBackend(Backend):
         # yet started is never offered to a second job (docs/DESIGN.md, "The ledger").
         self.observed_ms = now_ms()
         self._runs: dict[str, _Run] = {}
-        self._leftovers = LeftoverSweeper()
+        self._leftovers = LeftoverSweeper(skip=self._live_main_pids)
         self._closing = False
         # A queue head that waits only because lower-band runs are exempt from preemption is
         # scheduled again when the first exemption ends (no other event may come).
@@ -274,6 +288,12 @@ class ProcessBackend(Backend):
 
     def changed(self) -> None:
         self.observed_ms = max(now_ms(), self.observed_ms + 1)
+
+    def _live_main_pids(self) -> set[int]:
+        """The pids of the runs' own processes not yet seen to exit: none is another run's
+        leftover. A child's pid stays taken until it is reaped; one reaped while a scan runs could
+        only be reused once Linux's cyclic pid allocation has come round the whole pid space."""
+        return {p.pid for run in self._runs.values() for p in run.procs.values() if p.returncode is None}
 
     def pending(self, resource: str) -> int:
         """Chips already promised to jobs waiting here: not free for anyone else."""
@@ -576,9 +596,14 @@ class ProcessBackend(Backend):
                 with path.open("ab") as logf:
                     outcome = await self._spawn_and_wait(job, run, logf.fileno(), workdir)
             # Descendants that left the process group (setsid, daemons) must not outlive the job.
-            stray = await self._leftovers.kill(job.run_id)
-            if stray:
-                log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray)
+            # A sandboxed job has none left: its sandboxes' PID namespaces ended with their inits,
+            # taking every process of the job with them (no process leaves a PID namespace), so
+            # only an unsandboxed run costs a look through /proc (docs/DESIGN.md, "Controller
+            # costs").
+            if not self.sandbox.enabled:
+                stray = await self._leftovers.kill(job.run_id)
+                if stray:
+                    log.info("job %s: killed %d stray process(es) it left behind", job.job_id, stray)
         except Exception as exc:  # a controller-side failure must still settle the job
             log.exception("job %s: executor error", job.job_id)
             for proc in run.procs.values():
