@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -57,7 +58,41 @@ def missing_emulators() -> list[str]:
     return [package for module, package in _EMULATORS.items() if importlib.util.find_spec(module) is None]
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# How far below the kernel's ephemeral range free_port looks (the default range starts at 32768).
+_BELOW_EPHEMERAL = 16384
+
+
+def unassigned_ports(range_file: Path = EPHEMERAL_RANGE) -> range | None:
+    """Ports below the kernel's ephemeral range, which it never hands out by itself (to an
+    outgoing connection or a bind to port 0); None when the range is unknown or starts too low."""
+    try:
+        low = int(range_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    start = max(1024, low - _BELOW_EPHEMERAL)
+    return range(start, low) if low - start >= 1024 else None
+
+
 def free_port() -> int:
+    """A loopback TCP port that is free now, chosen below the ephemeral range when there is room.
+
+    A port of the ephemeral range (what a bind to port 0 returns) may be taken by any process's
+    next outgoing connection between this check and its use: with the suite's stacks side by side,
+    a Ray head's raylet once failed to start so ("Address already in use"), and every test of that
+    head failed with it. Below the range only another caller of a fixed port can take it. Drawn
+    with the OS's randomness, so that processes whose ``random`` shares a seed do not pick alike."""
+    below = unassigned_ports()
+    if below is not None:
+        pick = random.SystemRandom()
+        for _ in range(64):
+            port = pick.randrange(below.start, below.stop)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -146,9 +146,11 @@ async def _leaves_a_daemon(ex: Executor, job_id: str) -> tuple[LeftoverSweeper, 
             job_id=job_id, command=DAEMONIZES, user="alice", requester="home", nonce="n1", backend_id="cpu"
         )
     )
-    await poll(
-        lambda: asyncio.sleep(0, ex.get(job_id).state), lambda s: s is S.SUCCEEDED, what="the job's end"
-    )
+
+    async def state() -> S:
+        return ex.get(job_id).state
+
+    await poll(state, lambda s: s is S.SUCCEEDED, what="the job's end")
     backend = ex.backends["cpu"]
     assert isinstance(backend, ProcessBackend)
     return backend._leftovers, ex.get(job_id).run_id
