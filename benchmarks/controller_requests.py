@@ -48,7 +48,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -62,16 +61,10 @@ from benchmarks.smoke import parse_args
 from benchmarks.source import cleanup_snapshot, source_label
 from iris.controller.models import ControllerJobState, LaunchRequest
 from iris.controller.state import JobRecord, StateStore, now_ms
+from iris.devstack import free_port
 from iris.policy.models import Band, DeviceRequest
 
 ROUTES = ("health", "backends", "job", "changes", "jobs_page")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 GPU_BACKEND = """[[clusters.backends]]
@@ -95,7 +88,7 @@ def _config(path: Path, port: int, backend: str) -> None:
         f"""home = "home"
 [[clusters]]
 name = "home"
-port = {_free_port()}
+port = {free_port()}
 backends = []
 run_as = "{run_as}"
 
@@ -192,7 +185,7 @@ def _measure(client: httpx.Client, pid: int, path: str, n: int) -> dict[str, flo
 def run_size(n_jobs: int, requests: int, workdir: Path) -> dict[str, Any]:
     state_dir = workdir / f"state-{n_jobs}"
     ids, saves = _fill(state_dir, n_jobs)
-    port = _free_port()
+    port = free_port()
     cfg = workdir / f"clusters-{n_jobs}.toml"
     _config(cfg, port, GPU_BACKEND.format())
     proc, ready_s = _start(cfg, state_dir, port)
@@ -244,7 +237,7 @@ async def _finishing(
     n: int, workdir: Path, window_s: int = 60, lead_s: int = 30, bystanders: int = 0
 ) -> dict[str, Any]:
     state_dir = workdir / "state-finishing"
-    port = _free_port()
+    port = free_port()
     cfg = workdir / "clusters-finishing.toml"
     _config(cfg, port, CPU_BACKEND.format(slots=n))
     others = _bystanders(bystanders)

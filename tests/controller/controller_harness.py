@@ -9,7 +9,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from iris import devstack
 from iris.config import FederationConfig
 from iris.controller.client import ControllerClient
 from iris.controller.identity import TokenSigner, generate_keypair, load_private_key
@@ -32,11 +32,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+# Below the kernel's ephemeral range: no outgoing connection takes it before a controller binds it.
+free_port = devstack.free_port
 
 
 def _toml_value(value: Any) -> str:

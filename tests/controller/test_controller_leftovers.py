@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-from controller_harness import poll, process_alive
+from controller_harness import job_pids, poll, process_alive
 
 from iris.config import BackendConfig, ClusterConfig
 from iris.controller.executors.core import Executor
@@ -99,25 +99,13 @@ async def test_a_skipped_pid_is_not_read_even_when_it_carries_the_run_id() -> No
                 p.wait()
 
 
-def _carrying(run_id: str) -> list[int]:
-    """Live processes whose environment carries ``run_id``."""
-    marker = f"{RUN_ID_ENV}={run_id}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if marker in f.read().split(b"\0") and process_alive(int(name)):
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
-
-
 # The job starts a child in a session of its own (out of its process group), carrying the job's
-# environment and so its run id, and ends at once, leaving the child behind.
-DAEMONIZES = ["/bin/sh", "-c", "setsid sleep 300 & echo spawned"]
+# environment, says where it runs, and ends once released, leaving the child behind.
+DAEMONIZES = [
+    "/bin/sh",
+    "-c",
+    'setsid sleep 300 & echo "spawned in $PWD"; until [ -e release ]; do sleep 0.05; done',
+]
 
 
 @contextlib.asynccontextmanager
@@ -140,27 +128,42 @@ async def executor(tmp_path: Path, sandbox: Literal["auto", "off"]) -> AsyncIter
         ex.store.close()
 
 
-async def _leaves_a_daemon(ex: Executor, job_id: str) -> tuple[LeftoverSweeper, str]:
+async def _leaves_a_daemon(ex: Executor, job_id: str) -> tuple[LeftoverSweeper, set[int]]:
+    """Run DAEMONIZES to its end; the sweeper of its backend, and the job's processes seen alive on
+    the host before its end (its shell and the daemon)."""
     ex.launch(
         LaunchRequest(
             job_id=job_id, command=DAEMONIZES, user="alice", requester="home", nonce="n1", backend_id="cpu"
         )
     )
+    backend = ex.backends["cpu"]
+    assert isinstance(backend, ProcessBackend)
+    log = backend.log_path(ex.get(job_id))
+
+    async def logged() -> str:
+        return await asyncio.to_thread(lambda: log.read_text() if log.exists() else "")
+
+    text = await poll(logged, lambda t: "spawned in " in t, what="the job to start its daemon")
+    # Both the shell and the daemon, seen from the host (a sandboxed job's pids are its namespace's).
+    alive = await poll(lambda: asyncio.to_thread(job_pids, job_id), lambda p: len(p) >= 2, what="the daemon")
+    (Path(text.split("spawned in ", 1)[1].splitlines()[0]) / "release").touch()
 
     async def state() -> S:
         return ex.get(job_id).state
 
     await poll(state, lambda s: s is S.SUCCEEDED, what="the job's end")
-    backend = ex.backends["cpu"]
-    assert isinstance(backend, ProcessBackend)
-    return backend._leftovers, ex.get(job_id).run_id
+    return backend._leftovers, alive
+
+
+def _still_alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if process_alive(p)}
 
 
 async def test_an_unsandboxed_run_scans_for_what_it_left_and_kills_it(tmp_path: Path) -> None:
     async with executor(tmp_path, "off") as ex:
-        sweeper, run_id = await _leaves_a_daemon(ex, "alice/daemon-unsandboxed")
+        sweeper, pids = await _leaves_a_daemon(ex, "alice/daemon-unsandboxed")
         assert sweeper.asked == 1
-        await poll(lambda: asyncio.to_thread(_carrying, run_id), lambda p: not p, what="the daemon's end")
+        await poll(lambda: asyncio.to_thread(_still_alive, pids), lambda p: not p, what="the daemon's end")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox's uid pool needs a root controller")
@@ -171,9 +174,6 @@ async def test_a_sandboxed_run_needs_no_scan_its_pid_namespace_took_everything(t
     async with executor(tmp_path, "auto") as ex:
         backend = ex.backends["cpu"]
         assert isinstance(backend, ProcessBackend) and backend.sandbox.enabled
-        sweeper, run_id = await _leaves_a_daemon(ex, "alice/daemon-sandboxed")
-        assert "spawned" in (
-            await asyncio.to_thread(backend.log_path(ex.get("alice/daemon-sandboxed")).read_text)
-        )
+        sweeper, pids = await _leaves_a_daemon(ex, "alice/daemon-sandboxed")
         assert sweeper.asked == 0 and sweeper.scans == 0
-        assert _carrying(run_id) == []
+        assert _still_alive(pids) == set()
