@@ -101,8 +101,11 @@ async def test_a_forged_success_for_a_running_jobs_nonce_changes_nothing(stack: 
     query); the job ended at home while its process kept running. Now the end is read back from
     the cluster first: still RUNNING there, the claim is recorded and ignored, and the job ends
     when its process does, with its own exit code and output."""
+    # The process runs until released (a fixed sleep ended before a loaded CI machine handled the
+    # forged signal, and the claim was then checked against a real end).
+    release = stack.shared_dir / f"forged-observe-release-{uuid.uuid4().hex}"
     job_id = await stack.iris.submit(
-        ["sh", "-c", "sleep 6; echo finished; exit 3"],
+        ["sh", "-c", f"until [ -e {release} ]; do sleep 0.1; done; echo finished; exit 3"],
         name=name("forged-observe"),
         user=USER,
         target_cluster="cw-us-east-02a",
@@ -131,6 +134,7 @@ async def test_a_forged_success_for_a_running_jobs_nonce_changes_nothing(stack: 
     assert f"{said}; {attempt.cluster} reports RUNNING" in [e.message for e in st.events]
     assert st.state is JobState.RUNNING
 
+    release.touch()
     st = await state(stack, job_id, *(s for s in JobState if s.terminal))
     assert (st.state, st.exit_code) == (JobState.FAILED, 3), st.reason
     assert "finished" in (await stack.iris.logs(job_id)).data
